@@ -1,0 +1,4 @@
+"""What every numbered script shares and none of them teaches: data, models, checkpoints, metrics.
+
+Nothing in here is specific to a parallelism method; the method's own code lives in the scripts.
+"""

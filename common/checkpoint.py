@@ -1,0 +1,186 @@
+"""The one checkpoint format every step writes and reads.
+
+A checkpoint is a `torch.save`d dict (loaded back with `weights_only=True`, so a file that would
+run code is refused):
+
+    format       "cifar10-parallel/1"
+    step         the script that wrote it, e.g. "04_cifar10_ddp"
+    arch         the --arch of the model
+    model        state_dict of the bare model: never a `module.` prefix
+    optimizer    optimizer.state_dict(), or None (DeepSpeed exports keep theirs in the engine checkpoint)
+    scheduler    LR scheduler state_dict, or None
+    scaler       torch.amp.GradScaler state_dict, or None
+    epoch        epochs completed
+    global_step  optimizer steps taken
+    rng          {"torch": CPU generator state, "cuda": list of per-GPU states or None}
+    args         the run's arguments (a dict of plain values)
+    metrics      the metrics.jsonl row of that epoch
+    synthetic    True when trained on common.synthetic data
+
+Files are `checkpoint-epochNNNN.pt` in --out-dir. A save writes a temporary file, flushes it to
+disk and renames it into place, so a crash (even SIGKILL during the save) never leaves a
+truncated file under a checkpoint name: the previous one stays the newest complete checkpoint.
+"""
+import glob
+import os
+import pickle
+import re
+import sys
+
+import torch
+
+from .cli import UserError
+
+FORMAT = "cifar10-parallel/1"
+PATTERN = re.compile(r"checkpoint-epoch(\d{4,})\.pt$")
+
+
+def checkpoint_path(out_dir, epoch):
+    return os.path.join(out_dir, f"checkpoint-epoch{epoch:04d}.pt")
+
+
+def rng_states():
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def atomic_save(obj, path):
+    """torch.save to path so that path is either the old file or the complete new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
+         scaler=None, args=None, metrics=None, synthetic=False, keep=3):
+    """Write checkpoint-epochNNNN.pt atomically; keep the newest `keep` of them. Returns the path."""
+    state = {
+        "format": FORMAT, "step": step, "arch": arch,
+        "model": model_state,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "epoch": epoch, "global_step": global_step, "rng": rng_states(),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        if args is not None else {},
+        "metrics": metrics or {}, "synthetic": bool(synthetic),
+    }
+    path = checkpoint_path(out_dir, epoch)
+    try:
+        atomic_save(state, path)
+    except OSError as error:
+        raise UserError(f"cannot write checkpoint {path} ({error.strerror}); the previous checkpoints "
+                        "are untouched: free disk space or pick a writable --out-dir, then --resume auto") from None
+    for old in list_checkpoints(out_dir)[keep:]:
+        os.remove(old)
+    return path
+
+
+def list_checkpoints(out_dir):
+    """Checkpoint files in out_dir, newest epoch first."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(out_dir, "checkpoint-epoch*.pt"))
+             if (m := PATTERN.search(os.path.basename(p)))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def load(path, arch=None):
+    """Load and validate a checkpoint of this collection. Any problem is one UserError with the fix."""
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest checkpoint in --out-dir)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"refusing to load {path}: it holds Python objects that torch.load(weights_only=True) "
+                        f"will not run ({first[:160]}); it is not a checkpoint of this collection") from None
+    except Exception as error:  # truncated zip, not a torch file at all, unreadable
+        raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {str(error)[:160]}); "
+                        "it may be truncated or corrupt: resume from an older checkpoint-epoch*.pt") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{path} is not a checkpoint of this collection (expected format {FORMAT!r}); "
+                        "pass a checkpoint-epochNNNN.pt written by one of the numbered scripts")
+    if arch is not None and state["arch"] != arch:
+        raise UserError(f"{path} holds a {state['arch']} model but this run uses --arch {arch}: "
+                        f"pass --arch {state['arch']}")
+    return state
+
+
+def find_resume(resume, out_dir, arch):
+    """`--resume`: None -> None; 'auto' -> newest complete checkpoint in out_dir (or None); else that file."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        return load(resume, arch)
+    for path in list_checkpoints(out_dir):
+        try:
+            return load(path, arch)
+        except UserError as error:
+            print(f"warning: skipping {path}: {error}", file=sys.stderr)
+    return None
+
+
+def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
+    """Load a checkpoint's states into the given objects and the RNGs; returns (epoch, global_step)."""
+    try:
+        model.load_state_dict(state["model"])
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise UserError(f"the checkpoint does not fit this model/optimizer ({str(error).splitlines()[0][:200]}); "
+                        "check --arch and that it was written by this collection") from None
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available() \
+            and len(state["rng"]["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["epoch"], state["global_step"]
+
+
+def weights_digest(model_state):
+    """SHA-256 over every tensor of a state_dict (names, dtypes, shapes and exact bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(model_state):
+        tensor = model_state[name].detach().cpu().contiguous()
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_digest(out_dir, rank, model_state):
+    """Write out_dir/weights-rankN.sha256: equal files mean bit-identical weights."""
+    path = os.path.join(out_dir, f"weights-rank{rank}.sha256")
+    with open(path, "w") as f:
+        f.write(weights_digest(model_state) + "\n")
+    return path
+
+
+def make_out_dir(out_dir):
+    """Create --out-dir and prove it is writable before any training time is spent."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise UserError(f"--out-dir {out_dir} is not writable ({error.strerror}): pick another folder") from None

@@ -1,0 +1,68 @@
+"""metrics.jsonl (one JSON object per epoch), console lines, and the training-curve PNG."""
+import json
+import os
+
+FILE = "metrics.jsonl"
+PLOT = "training_curves.png"
+
+
+class MetricsLog:
+    """Appends one row per epoch to out_dir/metrics.jsonl.
+
+    A resumed run keeps the rows up to the epoch it resumes from and drops later ones (written
+    after that checkpoint by the run that crashed), so the file always matches the weights.
+    """
+
+    def __init__(self, out_dir, start_epoch=0, synthetic=False):
+        self.path = os.path.join(out_dir, FILE)
+        self.synthetic = synthetic
+        rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def append(self, row):
+        row = {**row, "synthetic": self.synthetic}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+
+def read(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def epoch_line(row, epochs):
+    tag = "  [SYNTHETIC DATA]" if row.get("synthetic") else ""
+    return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "
+            f"test_loss {row['test_loss']:.4f}  test_acc {100 * row['test_acc']:.2f}%  "
+            f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s{tag}")
+
+
+def plot(out_dir, title):
+    """Draw loss and accuracy per epoch from metrics.jsonl into training_curves.png."""
+    rows = read(os.path.join(out_dir, FILE))
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
+    ax_loss.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [100 * r["test_acc"] for r in rows], "o-", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    if any(r.get("synthetic") for r in rows):
+        title += "  (SYNTHETIC DATA, not CIFAR-10)"
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = os.path.join(out_dir, PLOT)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
