@@ -140,7 +140,7 @@ def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state["scaler"] is not None:
+        if scaler is not None and state["scaler"]:  # {} = saved by a disabled (bf16/fp32) scaler
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError) as error:
         raise UserError(f"the checkpoint does not fit this model/optimizer ({str(error).splitlines()[0][:200]}); "
