@@ -156,6 +156,7 @@ def evaluate(model, loader, device, amp_dtype, memory_format):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
+        # GPU: the same device, memory layout and precision as in training.
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -198,8 +199,8 @@ def main(argv=None):
     model = build_model(args, device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader), device, amp_dtype)
     start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # GPU: batches as NHWC
+    train_model = torch.compile(model) if args.compile else model  # GPU: same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
     print(f"{STEP}: {args.arch} on {device}, amp {amp_dtype}, batch {args.batch_size}, {len(train_loader.dataset)} training images, "
           f"{len(train_loader)} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))

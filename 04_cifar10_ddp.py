@@ -178,11 +178,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(images), labels)
             scaler.scale(loss / grad_accum).backward()
-        if last_pass:
+        if last_pass:  # DDP: gradients are averaged across ranks now; step once per accumulation group
             scaler.step(optimizer)  # GPU: skips the step if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)  # DDP: only after the step: no_sync passes accumulate into .grad
         loss_sum += loss.detach() * len(labels)  # stays on the device: no wait per step
         seen += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
@@ -201,6 +201,7 @@ def evaluate(model, loader, device, amp_dtype, memory_format):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
+        # GPU: the same device, memory layout and precision as in training.
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -230,7 +231,7 @@ def resume(args, model, optimizer, scheduler, scaler, rank):
         return 0, 0
     epoch, global_step = checkpoint.restore(state, model=model.module, optimizer=optimizer, scheduler=scheduler,
                                             scaler=scaler)
-    if rank == 0:
+    if rank == 0:  # DDP: one line, not one per process
         print(f"resumed from epoch {epoch} (written by {state['step']})")
     return epoch, global_step
 
@@ -244,8 +245,8 @@ def train(args):
     model = build_model(args, device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler, rank)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # GPU: batches as NHWC
+    train_model = torch.compile(model) if args.compile else model  # GPU: same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None
     if rank == 0:
         print(f"{STEP}: {args.arch} on {world_size} x {device.type}, amp {amp_dtype}, batch {args.batch_size} per process "

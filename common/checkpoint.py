@@ -103,9 +103,12 @@ def load(path, arch=None):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"refusing to load {path}: it holds Python objects that torch.load(weights_only=True) "
-                        f"will not run ({first[:160]}); it is not a checkpoint of this collection") from None
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if unsafe is None:  # not a pickle we can read at all
+            raise UserError(f"{path} is not a readable checkpoint (damaged or not a torch file): "
+                            "resume from an older checkpoint-epoch*.pt") from None
+        raise UserError(f"refusing to load {path}: it would run code ({unsafe.group(1)}), which "
+                        "torch.load(weights_only=True) does not allow; it is not a checkpoint of this collection") from None
     except Exception as error:  # truncated zip, not a torch file at all, unreadable
         raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {str(error)[:160]}); "
                         "it may be truncated or corrupt: resume from an older checkpoint-epoch*.pt") from None

@@ -15,6 +15,7 @@ Normalisation happens inside the model (see models.Normalize), on the device.
 """
 import os
 import pickle
+import socket
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,8 @@ def prepare_cifar10(data_dir, download=True):
         return
     if os.path.isdir(os.path.join(data_dir, FOLDER)) or not download:
         raise UserError(f"CIFAR-10 is incomplete in {data_dir} (missing {', '.join(missing)}): " + _remedies(data_dir))
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # a firewall that drops packets fails the download instead of hanging it
     try:
         os.makedirs(data_dir, exist_ok=True)
         _CIFAR10Folder(data_dir, train=True, download=True)
@@ -69,6 +72,8 @@ def prepare_cifar10(data_dir, download=True):
     except Exception as error:  # urllib, socket and ssl errors all mean "could not download"
         raise UserError(f"CIFAR-10 is not in {data_dir} and downloading it failed "
                         f"({type(error).__name__}: {error}): " + _remedies(data_dir)) from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
 
 
 def is_synthetic(data_dir):

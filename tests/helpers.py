@@ -1,0 +1,117 @@
+"""Helpers shared by the tests: running the scripts as a reader would, and reading their outputs.
+
+Every test starts the numbered scripts as separate processes, through the launcher the README
+gives (python, torchrun, torch.distributed.launch, deepspeed, horovodrun), on a small
+synthetic CIFAR-10 written in the real on-disk format and read by torchvision's CIFAR10 class.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv's bin/: torchrun, deepspeed, horovodrun live here
+PYTHON = sys.executable
+
+# Sizes chosen so that a 2-epoch run of the small model takes seconds and still learns; the
+# odd test size does not divide by 2 processes, which the exact-evaluation checks rely on.
+TRAIN_SIZE, TEST_SIZE = 1280, 301
+# The small model, no loader workers (2 cores), a fixed seed: what most test runs share.
+SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
+CHANCE = 0.10
+
+
+def script(number):
+    """Path of the numbered script, e.g. script(4) -> .../04_cifar10_ddp.py"""
+    (path,) = REPO.glob(f"{number:02d}_cifar10_*.py")
+    return str(path)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra):
+    """The environment of a run: one thread per process (2 cores), unbuffered output, offline."""
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}",
+             PYTHONPATH=str(REPO))
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def run(cmd, timeout=300, check=True, **env_extra):
+    """Run a command from the repository root; with check=True fail the test (showing its output)
+    unless it exits 0. Returns the CompletedProcess with .output = stdout+stderr."""
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env(**env_extra), timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.output = proc.stdout
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.output[-6000:]}", pytrace=False)
+    return proc
+
+
+def torchrun(nproc, number, *args, **kw):
+    return run([BIN / "torchrun", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+                script(number), *args], **kw)
+
+
+def metrics(out_dir):
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def digests(out_dir):
+    """{rank: sha256 of that rank's final weights} from weights-rankN.sha256 files."""
+    return {int(p.stem.split("rank")[1]): p.read_text().strip() for p in Path(out_dir).glob("weights-rank*.sha256")}
+
+
+def latest_checkpoint(out_dir):
+    paths = sorted(Path(out_dir).glob("checkpoint-epoch*.pt"))
+    assert paths, f"no checkpoint in {out_dir}"
+    return paths[-1]
+
+
+def load_checkpoint(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_trained(out_dir, epochs, min_acc=0.5, ranks=1):
+    """The common outcome checks of a finished run: every epoch logged, accuracy well above
+    chance, curves drawn, checkpoint of the last epoch in the documented format, and (for
+    several ranks) bit-identical weights on every rank."""
+    rows = metrics(out_dir)
+    assert [r["epoch"] for r in rows] == list(range(1, epochs + 1))
+    assert all(r["synthetic"] for r in rows), "runs on generated data must say so"
+    assert rows[-1]["test_acc"] >= min_acc > 3 * CHANCE, rows[-1]
+    assert (Path(out_dir) / "training_curves.png").stat().st_size > 1000
+    state = load_checkpoint(latest_checkpoint(out_dir))
+    assert state["format"] == "cifar10-parallel/1" and state["epoch"] == epochs and state["synthetic"]
+    assert not any(k.startswith("module.") for k in state["model"]), "checkpoint weights must be unwrapped"
+    found = digests(out_dir)
+    assert sorted(found) == list(range(ranks)), found
+    assert len(set(found.values())) == 1, f"ranks ended with different weights: {found}"
+    return rows
+
+
+def copy_checkpoint_dir(src, dst):
+    """A fresh out-dir holding only src's newest checkpoint (to resume it elsewhere)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(latest_checkpoint(src), dst)
+    return dst
+
+
+def checkpoint_epoch(out_dir, epoch):
+    path = Path(out_dir) / f"checkpoint-epoch{epoch:04d}.pt"
+    assert path.is_file(), f"no checkpoint of epoch {epoch} in {out_dir}"
+    return path

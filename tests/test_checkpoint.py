@@ -1,0 +1,91 @@
+"""The checkpoint format: crash-safe writes, safe loads, one clear error for anything foreign."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common import checkpoint
+from common.cli import UserError
+from helpers import REPO, env
+
+WRITER = """
+import sys, torch
+from common import checkpoint
+big = torch.randn(4_000_000)  # 16 MB: a save takes long enough to be killed in the middle
+for epoch in range(1, 1000):
+    checkpoint.atomic_save({"format": checkpoint.FORMAT, "arch": "cnn", "epoch": epoch, "model": {"w": big + epoch}},
+                           checkpoint.checkpoint_path(sys.argv[1], epoch))
+    print(epoch, flush=True)
+"""
+
+
+def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
+    """Kill a process that is busy saving, at several moments: what is under a checkpoint name loads."""
+    for delay in (0.0, 0.15, 0.4, 0.9):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, env=env(),
+                                stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # at least one complete checkpoint exists
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        names = checkpoint.list_checkpoints(str(tmp_path))
+        assert names, "the first complete checkpoint must survive"
+        for path in names:
+            state = torch.load(path, weights_only=True)
+            assert torch.equal(state["model"]["w"][:3], state["model"]["w"][:3])  # fully readable
+        newest = torch.load(names[0], weights_only=True)
+        assert newest["epoch"] == int(os.path.basename(names[0])[16:20])
+
+
+def test_resume_auto_skips_a_damaged_newest_file(tmp_path, capsys):
+    model = torch.nn.Linear(2, 2)
+    for epoch in (1, 2):
+        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=epoch, global_step=epoch,
+                        model_state=model.state_dict())
+    with open(checkpoint.checkpoint_path(str(tmp_path), 2), "r+b") as f:
+        f.truncate(100)  # e.g. a disk that filled up under a tool that did not write atomically
+    state = checkpoint.find_resume("auto", str(tmp_path), "cnn")
+    assert state["epoch"] == 1
+    assert "skipping" in capsys.readouterr().err
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    for epoch in range(1, 6):
+        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=epoch, global_step=epoch,
+                        model_state=model.state_dict(), keep=3)
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
+        "checkpoint-epoch0005.pt", "checkpoint-epoch0004.pt", "checkpoint-epoch0003.pt"]
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"not a checkpoint at all", "not a readable checkpoint"),
+    ({"model": {}}, "not a checkpoint of this collection"),
+    (RunsCode(), "refusing to load"),
+], ids=["garbage", "foreign", "code"])
+def test_bad_checkpoints_are_refused_clearly(tmp_path, monkeypatch, content, message):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "bad.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(UserError, match=message):
+        checkpoint.load(str(path), "cnn")
+    assert not (tmp_path / "pwned").exists(), "loading must never run code from the file"
+
+
+def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
+    path = checkpoint.save(str(tmp_path), step="test", arch="resnet18", epoch=1, global_step=1,
+                           model_state={})
+    with pytest.raises(UserError, match="pass --arch resnet18"):
+        checkpoint.load(path, "cnn")

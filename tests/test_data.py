@@ -1,0 +1,60 @@
+"""The data path: generated data in the real CIFAR-10 format, read by torchvision's CIFAR10 class."""
+import pickle
+
+import pytest
+import torch
+
+from common import data
+from common._torchvision import CIFAR10
+from common.cli import UserError
+from common.synthetic import write_synthetic_cifar10
+
+
+def test_generated_folder_has_the_official_layout(cifar_dir):
+    folder = cifar_dir / data.FOLDER
+    assert sorted(p.name for p in folder.iterdir() if p.name != "README.txt") == sorted(data.FILES)
+    with open(folder / "data_batch_1", "rb") as f:
+        batch = pickle.load(f, encoding="latin1")
+    assert batch["data"].dtype.name == "uint8" and batch["data"].shape[1] == 3072
+    with open(folder / "batches.meta", "rb") as f:
+        assert pickle.load(f)["label_names"] == data.CLASSES
+    # torchvision's own class refuses it (MD5 sums), ours reads it: that is the one difference.
+    with pytest.raises(RuntimeError, match="not found or corrupted"):
+        CIFAR10(str(cifar_dir), train=True)
+
+
+def test_datasets_read_through_torchvision(cifar_dir):
+    train, test = data.cifar10_datasets(cifar_dir)
+    image, label = test[0]
+    assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and 0 <= int(label) < 10
+    assert len(train) == 1280 and len(test) == 301 and data.is_synthetic(cifar_dir)
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index(cifar_dir):
+    train, _ = data.cifar10_datasets(cifar_dir, seed=3)
+    other, _ = data.cifar10_datasets(cifar_dir, seed=3)
+    train.set_epoch(1), other.set_epoch(1)
+    assert all(torch.equal(train[i][0], other[i][0]) for i in (5, 0, 77))  # any order, any process
+    first = torch.stack([train[i][0] for i in range(64)])
+    train.set_epoch(2)
+    assert not torch.equal(first, torch.stack([train[i][0] for i in range(64)]))  # a new epoch, new crops
+
+
+def test_missing_data_names_both_remedies(tmp_path):
+    with pytest.raises(UserError, match="common.synthetic") as error:
+        data.prepare_cifar10(str(tmp_path / "nothing"), download=False)
+    assert "cifar-10-python.tar.gz" in str(error.value)
+
+
+def test_truncated_batch_is_one_clear_error(tmp_path):
+    write_synthetic_cifar10(str(tmp_path), train_size=50, test_size=10)
+    batch = tmp_path / data.FOLDER / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:200])
+    with pytest.raises(UserError, match="damaged or not CIFAR-10"):
+        data.cifar10_datasets(str(tmp_path))
+
+
+def test_data_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        data.prepare_cifar10(str(tmp_path / "f"))

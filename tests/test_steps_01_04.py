@@ -1,0 +1,127 @@
+"""Steps 01-04 run the way the README tells a reader to run them, and deliver what they promise.
+
+One uninterrupted run per step serves several checks (module-scoped fixtures), so the suite stays
+fast on two cores. Bit-for-bit comparisons work because every run uses one thread per process
+and the data order and augmentation depend only on (seed, epoch, sample index).
+"""
+import subprocess
+
+import pytest
+
+from common.checkpoint import weights_digest
+from helpers import (BIN, PYTHON, SMOKE, assert_trained, checkpoint_epoch, digests, env, free_port, load_checkpoint,
+                     metrics, run, script, torchrun)
+
+EPOCHS = ["--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def data(cifar_dir):
+    return ["--data-dir", cifar_dir, *SMOKE]
+
+
+@pytest.fixture(scope="module")
+def run01(tmp_path_factory, data):
+    """Step 01, 2 epochs, batch 64: the reference for resume and for DDP with 2 x 32."""
+    out = tmp_path_factory.mktemp("run01")
+    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", out])
+    return out
+
+
+@pytest.fixture(scope="module")
+def run04(tmp_path_factory, data):
+    """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
+    out = tmp_path_factory.mktemp("run04")
+    proc = torchrun(2, 4, *data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", out)
+    return out, proc.output
+
+
+def test_01_trains_above_chance(run01):
+    assert_trained(run01, epochs=2)
+
+
+def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
+    first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", tmp_path, "--stop-after", "1"])
+    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    second = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", tmp_path, "--resume", "auto",
+                  "--workers", "2"])  # another worker count: the batches must not change
+    assert "resumed from epoch 1" in second.output
+    assert_trained(tmp_path, epochs=2)
+    assert digests(tmp_path) == digests(run01), "resumed run must end bit-identical to the uninterrupted one"
+
+
+def test_02_and_03_run_on_cpu_and_agree(tmp_path, data):
+    out2, out3 = tmp_path / "02", tmp_path / "03"
+    gpu = run([PYTHON, script(2), *data, *EPOCHS, "--out-dir", out2])
+    dp = run([PYTHON, script(3), *data, *EPOCHS, "--out-dir", out3])
+    assert "no CUDA GPU found" in gpu.output and "bfloat16" in gpu.output
+    assert "passthrough" in dp.output
+    assert_trained(out2, epochs=2)
+    assert_trained(out3, epochs=2)
+    # Without GPUs DataParallel only calls the model: the weights must be exactly step 02's.
+    assert digests(out3) == digests(out2)
+    assert "scaler" in load_checkpoint(checkpoint_epoch(out2, 2))
+
+
+def test_04_torchrun_trains_identical_replicas(run04):
+    out, output = run04
+    assert_trained(out, epochs=2, ranks=2)
+    assert "2 processes" in output and output.count("epoch   2/2") == 1, "only rank 0 logs"
+
+
+def test_04_two_processes_follow_one_process_with_twice_the_batch(run01, run04):
+    """DDP averages gradients: 2 x 32 takes the same steps as 1 x 64 (up to float rounding)."""
+    single, ddp = metrics(run01), metrics(run04[0])
+    for a, b in zip(single, ddp):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-3)
+        assert b["test_loss"] == pytest.approx(a["test_loss"], rel=2e-3)
+        assert abs(b["test_acc"] - a["test_acc"]) <= 0.02
+
+
+def epoch1_digest(out_dir):
+    return weights_digest(load_checkpoint(checkpoint_epoch(out_dir, 1))["model"])
+
+
+def ddp_args(data, out):
+    return [*data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", out, "--stop-after", "1"]
+
+
+def test_04_legacy_launcher_passes_local_rank(tmp_path, data, run04):
+    """python -m torch.distributed.launch passes --local-rank=N; the run equals the torchrun one."""
+    run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
+         script(4), *ddp_args(data, tmp_path)])
+    assert epoch1_digest(tmp_path) == epoch1_digest(run04[0])
+
+
+def test_04_spawn_equals_torchrun(tmp_path, data, run04):
+    run([PYTHON, script(4), "--spawn", "2", *ddp_args(data, tmp_path)])
+    assert epoch1_digest(tmp_path) == epoch1_digest(run04[0])
+
+
+def test_04_two_nodes_on_one_machine(tmp_path, data, run04):
+    """Two torchrun commands, one per 'node' (--nnodes=2 --node_rank=0/1), meeting at master_addr:port."""
+    port = free_port()
+    nodes = [subprocess.Popen([BIN / "torchrun", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
+                               "--master_addr=127.0.0.1", f"--master_port={port}", script(4),
+                               *map(str, ddp_args(data, tmp_path))],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert epoch1_digest(tmp_path) == epoch1_digest(run04[0])
+    assert sorted(digests(tmp_path)) == [0, 1] and len(set(digests(tmp_path).values())) == 1
+
+
+def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
+    """A checkpoint written by 04 resumes in 01, and one written by 01 resumes in 04 (2 processes)."""
+    in01, in04 = tmp_path / "in01", tmp_path / "in04"
+    resumed = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", in01,
+                   "--resume", checkpoint_epoch(run04[0], 1)])
+    assert "resumed from epoch 1 (written by 04_cifar10_ddp)" in resumed.output
+    torchrun(2, 4, *data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", in04,
+             "--resume", checkpoint_epoch(run01, 1))
+    for out in (in01, in04):
+        rows = metrics(out)
+        assert [r["epoch"] for r in rows] == [2]
+        assert rows[0]["train_loss"] == pytest.approx(metrics(run01)[1]["train_loss"], rel=2e-3)
+        assert rows[0]["test_acc"] > 0.5

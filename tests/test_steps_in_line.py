@@ -1,0 +1,120 @@
+"""Adjacent steps stay in line: every difference between a step and the one it builds on is part
+of that step's lesson.
+
+A step's lesson lines carry a marker comment naming it (`# DDP: ...`). This test diffs adjacent
+scripts statement by statement and accepts a changed block only if
+  * a marker of the newer step sits in it or within a few lines of it, or
+  * it is plumbing: the same statements as before with other arguments or assignment targets
+    (a function that now also takes `scaler`, say), or imports.
+Anything else (a changed learning rate, an evaluation fixed in one script only, a drifted
+checkpoint call) fails with the offending lines, so the steps cannot silently drift apart.
+It also checks that every script has the same sections, in the same order.
+"""
+import ast
+import difflib
+import re
+
+import pytest
+
+from helpers import REPO
+
+# (base script, step script, marker of the step's lesson)
+PAIRS = [
+    ("01_cifar10_cpu.py", "02_cifar10_gpu.py", "GPU:"),
+    ("02_cifar10_gpu.py", "03_cifar10_dataparallel.py", "DataParallel:"),
+    ("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:"),
+    ("04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "DeepSpeed:"),
+    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:"),
+    ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:"),
+]
+SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
+            "train one epoch", "evaluate", "checkpoint", "main"]
+CONTEXT = 3  # logical lines around a block in which its marker may sit
+
+
+def logical_lines(path):
+    """The script after its docstring, as logical lines (a statement split over several lines is one)."""
+    source = (REPO / path).read_text()
+    tree = ast.parse(source)
+    start = tree.body[0].end_lineno if isinstance(tree.body[0], ast.Expr) else 0
+    lines, current, depth = [], [], 0
+    for raw in source.splitlines()[start:]:
+        code = raw.split("#", 1)[0] if not raw.lstrip().startswith(("'", '"', "f'", 'f"')) else raw
+        current.append(raw.strip())
+        depth += sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
+        if depth <= 0:
+            joined = " ".join(part for part in current if part)
+            if joined:
+                lines.append(joined)
+            current, depth = [], 0
+    return lines
+
+
+def shape(line):
+    """A statement with its strings blanked, argument lists emptied and assignment targets dropped."""
+    code = re.sub(r"""f?(["'])(?:\\.|(?!\1).)*\1""", '""', line.split("  #", 1)[0].strip())
+    previous = None
+    while previous != code:
+        previous, code = code, re.sub(r"\([^()]*\)", "<args>", code)
+    return re.sub(r"^[\w\s,.\[\]]+=(?!=)\s*", "= ", code)
+
+
+def not_plumbing(old, new):
+    """The lines of a changed block that are more than imports or re-plumbed statements."""
+    if all(line.startswith(("import ", "from ")) for line in old + new):
+        return [], []
+    old_shapes = [shape(line) for line in old]
+    unmatched_new = []
+    for line in new:
+        if shape(line) in old_shapes:
+            old_shapes.remove(shape(line))
+        else:
+            unmatched_new.append(line)
+    unmatched_old = [line for line in old if shape(line) in old_shapes]
+    return unmatched_old, unmatched_new
+
+
+def unexplained_changes(base, step, marker):
+    a, b = logical_lines(base), logical_lines(step)
+    problems = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        removed, added = not_plumbing(a[i1:i2], b[j1:j2]) if tag != "equal" else ([], [])
+        if not removed and not added:
+            continue
+        nearby = b[max(0, j1 - CONTEXT):j2 + CONTEXT]
+        if not any(marker in line for line in nearby):
+            problems.append(f"{base} -> {step}:\n  - " + "\n  - ".join(removed or ["(nothing)"])
+                            + "\n  + " + "\n  + ".join(added or ["(nothing)"]))
+    return problems
+
+
+def present(pairs):
+    return [pytest.param(*p, id=p[1][:2]) if (REPO / p[1]).exists() and (REPO / p[0]).exists()
+            else pytest.param(*p, id=p[1][:2], marks=pytest.mark.skip(reason=f"{p[1]} not written yet"))
+            for p in pairs]
+
+
+@pytest.mark.parametrize("base,step,marker", present(PAIRS))
+def test_every_difference_is_the_lesson(base, step, marker):
+    problems = unexplained_changes(base, step, marker)
+    assert not problems, (f"changes without a '# {marker}' marker nearby (drift, or a lesson line "
+                          "missing its comment):\n" + "\n".join(problems))
+
+
+def test_unmarked_drift_is_caught(tmp_path, monkeypatch):
+    """The check itself can fail: an unmarked change of a hyper-parameter is reported."""
+    drifted = (REPO / "02_cifar10_gpu.py").read_text().replace("WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1",
+                                                               "WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 1e-4, 1")
+    (tmp_path / "02_cifar10_gpu.py").write_text(drifted)
+    (tmp_path / "01_cifar10_cpu.py").write_text((REPO / "01_cifar10_cpu.py").read_text())
+    monkeypatch.setattr("test_steps_in_line.REPO", tmp_path)
+    problems = unexplained_changes("01_cifar10_cpu.py", "02_cifar10_gpu.py", "GPU:")
+    assert len(problems) == 1 and "1e-4" in problems[0]
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-7]_cifar10_*.py")))
+def test_same_sections_in_the_same_order(path):
+    source = (REPO / path).read_text()
+    found = re.findall(r"^# -{20,} (.+)$", source, flags=re.M)
+    assert found == SECTIONS, found
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    main()')
