@@ -133,7 +133,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
             bar.set_postfix(loss=f"{loss.item():.3f}")
     train_loss = loss_sum.item() / seen
     seconds = time.perf_counter() - start
-    return {"train_loss": train_loss, "images_per_sec": seen / seconds, "epoch_seconds": seconds}
+    return {"train_loss": train_loss, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+            "peak_memory_mb": metrics.peak_memory_mb(device)}
 
 
 # ----------------------------------------------------------------------------- evaluate

@@ -192,7 +192,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
     dist.all_reduce(totals)
     train_loss, seen = totals[0].item() / totals[1].item(), int(totals[1].item())
     seconds = time.perf_counter() - start
-    return {"train_loss": train_loss, "images_per_sec": seen / seconds, "epoch_seconds": seconds}
+    return {"train_loss": train_loss, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+            "peak_memory_mb": metrics.peak_memory_mb(device)}
 
 
 # ----------------------------------------------------------------------------- evaluate

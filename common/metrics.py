@@ -66,3 +66,15 @@ def plot(out_dir, title):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def peak_memory_mb(device):
+    """Peak memory of this process so far: the CUDA allocator's peak on a GPU, else the peak
+    resident set size (which includes the Python interpreter and libraries)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
