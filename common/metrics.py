@@ -49,6 +49,7 @@ def plot(out_dir, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     epochs = [r["epoch"] for r in rows]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
@@ -58,6 +59,8 @@ def plot(out_dir, title):
     ax_loss.legend()
     ax_acc.plot(epochs, [100 * r["test_acc"] for r in rows], "o-", color="tab:green")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if any(r.get("synthetic") for r in rows):
         title += "  (SYNTHETIC DATA, not CIFAR-10)"
     fig.suptitle(title)
