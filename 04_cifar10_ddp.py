@@ -16,6 +16,7 @@ Only rank 0 prints and saves; evaluation is sharded and summed exactly with all_
 import argparse
 import contextlib
 import datetime
+import gc
 import itertools
 import os
 import socket
@@ -275,6 +276,11 @@ def train(args):
         metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
     # DDP: every rank writes a fingerprint of its weights: equal files prove the replicas never diverged.
     checkpoint.write_digest(args.out_dir, rank, model.module.state_dict())
+    # DDP: free the wrapper before leaving the group. It sits in a reference cycle; left to the
+    # garbage collector, it would shut gloo's threads down at a random later moment while holding
+    # the GIL, which can deadlock the exit (seen here under load; see README, troubleshooting).
+    del model, train_model
+    gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
 
 

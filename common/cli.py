@@ -8,24 +8,22 @@ class UserError(Exception):
     """A problem the user can fix. Printed as one line (with the fix), exit status 2."""
 
 
-def positive_int(text):
+def _whole_number(text, minimum, rule):
     try:
         value = int(text)
     except ValueError:
         raise _arg_error(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise _arg_error(f"must be positive, got {value}")
+    if value < minimum:
+        raise _arg_error(f"must be {rule}, got {value}")
     return value
+
+
+def positive_int(text):
+    return _whole_number(text, 1, "positive")
 
 
 def non_negative_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise _arg_error(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise _arg_error(f"must be 0 or more, got {value}")
-    return value
+    return _whole_number(text, 0, "0 or more")
 
 
 def positive_float(text):

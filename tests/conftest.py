@@ -1,7 +1,7 @@
 """Fixtures: a small synthetic CIFAR-10 in the real on-disk format (see helpers.py)."""
 import pytest
 
-from helpers import PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, run
+from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, run, script, torchrun
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +12,28 @@ def cifar_dir(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def data_args(cifar_dir):
+@pytest.fixture(scope="session")
+def data(cifar_dir):
+    """The arguments every test run shares: the synthetic data and the small, fast setup."""
     return ["--data-dir", cifar_dir, *SMOKE]
+
+
+@pytest.fixture
+def data_args(data):
+    return data
+
+
+@pytest.fixture(scope="session")
+def run01(tmp_path_factory, data):
+    """Step 01, 2 epochs, batch 64: the reference for resume and for DDP with 2 x 32."""
+    out = tmp_path_factory.mktemp("run01")
+    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", out])
+    return out
+
+
+@pytest.fixture(scope="session")
+def run04(tmp_path_factory, data):
+    """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
+    out = tmp_path_factory.mktemp("run04")
+    proc = torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out)
+    return out, proc.output

@@ -25,6 +25,8 @@ TRAIN_SIZE, TEST_SIZE = 1280, 301
 # The small model, no loader workers (2 cores), a fixed seed: what most test runs share.
 SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
 CHANCE = 0.10
+EPOCHS = ["--epochs", "2"]
+DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
 
 
 def script(number):
@@ -115,3 +117,55 @@ def checkpoint_epoch(out_dir, epoch):
     path = Path(out_dir) / f"checkpoint-epoch{epoch:04d}.pt"
     assert path.is_file(), f"no checkpoint of epoch {epoch} in {out_dir}"
     return path
+
+
+def start(cmd, **env_extra):
+    """Start a command in the background (own process group), output to a pipe."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(**env_extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def rank_process(launcher, rank, timeout=60):
+    """The worker process of `rank` below a launcher (found by its RANK environment variable)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank) and "cifar10_" in " ".join(child.cmdline()):
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no process of rank {rank} appeared")
+
+
+def wait_for(path, proc, timeout=240):
+    """Wait until `path` exists (fail if `proc` ends first)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        assert proc.poll() is None, f"ended before {path} appeared:\n{proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def kill_rank_after_epoch_1(launcher, out_dir, rank=1, timeout=120):
+    """SIGKILL one rank once epoch 1's checkpoint exists; return (exit status, output, seconds the
+    launcher took to end after the kill)."""
+    import signal
+    import time
+
+    wait_for(Path(out_dir) / "checkpoint-epoch0001.pt", launcher)
+    rank_process(launcher, rank).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        output, _ = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise AssertionError(f"the job still ran {timeout} s after rank {rank} died: a hang")
+    return launcher.returncode, output, time.monotonic() - killed

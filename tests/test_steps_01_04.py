@@ -1,7 +1,7 @@
 """Steps 01-04 run the way the README tells a reader to run them, and deliver what they promise.
 
-One uninterrupted run per step serves several checks (module-scoped fixtures), so the suite stays
-fast on two cores. Bit-for-bit comparisons work because every run uses one thread per process
+One uninterrupted run per step serves several checks (run01 and run04 are session fixtures in
+conftest.py, shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons work because every run uses one thread per process
 and the data order and augmentation depend only on (seed, epoch, sample index).
 """
 import subprocess
@@ -9,32 +9,8 @@ import subprocess
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, PYTHON, SMOKE, assert_trained, checkpoint_epoch, digests, env, free_port, load_checkpoint,
-                     metrics, run, script, torchrun)
-
-EPOCHS = ["--epochs", "2"]
-
-
-@pytest.fixture(scope="module")
-def data(cifar_dir):
-    return ["--data-dir", cifar_dir, *SMOKE]
-
-
-@pytest.fixture(scope="module")
-def run01(tmp_path_factory, data):
-    """Step 01, 2 epochs, batch 64: the reference for resume and for DDP with 2 x 32."""
-    out = tmp_path_factory.mktemp("run01")
-    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", out])
-    return out
-
-
-@pytest.fixture(scope="module")
-def run04(tmp_path_factory, data):
-    """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
-    out = tmp_path_factory.mktemp("run04")
-    proc = torchrun(2, 4, *data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", out)
-    return out, proc.output
-
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_trained, checkpoint_epoch, digests, env, free_port,
+                     load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
@@ -83,7 +59,7 @@ def epoch1_digest(out_dir):
 
 
 def ddp_args(data, out):
-    return [*data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", out, "--stop-after", "1"]
+    return [*data, *EPOCHS, *DDP_ARGS, "--out-dir", out, "--stop-after", "1"]
 
 
 def test_04_legacy_launcher_passes_local_rank(tmp_path, data, run04):
@@ -118,7 +94,7 @@ def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
     resumed = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", in01,
                    "--resume", checkpoint_epoch(run04[0], 1)])
     assert "resumed from epoch 1 (written by 04_cifar10_ddp)" in resumed.output
-    torchrun(2, 4, *data, *EPOCHS, "--batch-size", "32", "--amp", "off", "--out-dir", in04,
+    torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", in04,
              "--resume", checkpoint_epoch(run01, 1))
     for out in (in01, in04):
         rows = metrics(out)
