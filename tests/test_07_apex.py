@@ -1,0 +1,96 @@
+"""Step 07 (Apex): the native successors for real on CPU, and Apex's absence said in one line.
+
+The native path (torch.autocast + GradScaler, torch DDP) runs under the legacy launcher old Apex
+tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N) and under
+torchrun. The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU and a built Apex:
+neither exists here, so they are untested; these tests check what a reader without them sees.
+"""
+import os
+
+import pytest
+
+from helpers import (EPOCHS, PYTHON, REPO, assert_trained, checkpoint_epoch, digests, free_port, load_checkpoint,
+                     metrics, run, script, torchrun)
+
+TRAIN = [*EPOCHS, "--batch-size", "64"]
+
+
+def legacy_launch(nproc, *args):
+    """The launcher of the old Apex tutorials; it passes --local-rank=N to every process."""
+    return run([PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+                script(7), *args])
+
+
+def assert_one_line_error(proc, *needles):
+    """Exit status 2, no traceback, and a single `error:` line that says all of `needles`."""
+    assert proc.returncode == 2, proc.output
+    assert "Traceback" not in proc.output, proc.output
+    errors = [line for line in proc.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.output
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("apex-uninterrupted")
+    proc = legacy_launch(2, *data, *TRAIN, "--out-dir", out)
+    return out, proc.output
+
+
+@pytest.fixture(scope="module")
+def resumed(data, tmp_path_factory):
+    """Epoch 1 under the legacy launcher, then --resume auto under torchrun: both launchers, one run."""
+    out = tmp_path_factory.mktemp("apex-resumed")
+    common = [*data, *TRAIN, "--out-dir", out]
+    legacy_launch(2, *common, "--stop-after", "1")
+    proc = torchrun(2, 7, *common, "--resume", "auto")
+    return out, proc.output
+
+
+def test_native_path_trains_under_the_legacy_launcher(uninterrupted):
+    out, output = uninterrupted
+    assert_trained(out, epochs=2, ranks=2)
+    chosen = [line for line in output.splitlines() if line.startswith("amp backend:")]
+    assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; using its native successors "
+                      "torch.autocast + GradScaler + torch DDP)"], output
+    assert "optimizer: torch.optim.SGD" in output
+    state = load_checkpoint(checkpoint_epoch(out, 2))
+    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # bf16 on CPU: the scaler is disabled
+
+
+def test_resume_matches_the_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
+    out, output = resumed
+    assert "resumed from epoch 1 (written by 07_cifar10_apex)" in output
+    assert [row["epoch"] for row in metrics(out)] == [1, 2]
+    assert digests(out) == digests(uninterrupted[0])
+
+
+def test_checkpoints_interchange_with_step_01(resumed, data, tmp_path):
+    """01 continues from 07's epoch-1 checkpoint; 07 then loads 01's result to the last bit."""
+    run([PYTHON, script(1), *data, *TRAIN, "--out-dir", tmp_path / "01", "--resume", checkpoint_epoch(resumed[0], 1)])
+    proc = run([PYTHON, script(7), *data, *TRAIN, "--out-dir", tmp_path / "07",
+                "--resume", checkpoint_epoch(tmp_path / "01", 2), "--amp-backend", "torch"])
+    assert "resumed from epoch 2 (written by 01_cifar10_cpu)" in proc.output
+    assert digests(tmp_path / "07") == digests(tmp_path / "01")
+
+
+def test_apex_backend_without_apex_says_how_to_get_it(data, tmp_path):
+    proc = run([PYTHON, script(7), *data, "--out-dir", tmp_path, "--amp-backend", "apex"], check=False)
+    assert_one_line_error(proc, "NVIDIA Apex is not installed", "25.05", "from source on a CUDA machine",
+                          "NGC PyTorch container", "--amp-backend torch")
+
+
+@pytest.fixture
+def registry_apex(tmp_path):
+    """What `pip install apex` gives: a top-level package named apex, without amp/ or optimizers/."""
+    (tmp_path / "site" / "apex").mkdir(parents=True)
+    (tmp_path / "site" / "apex" / "__init__.py").write_text("")
+    return {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
+
+
+def test_registry_apex_is_named_as_the_unrelated_package(registry_apex, data, tmp_path):
+    proc = run([PYTHON, script(7), *data, "--out-dir", tmp_path / "run", "--amp-backend", "apex"], check=False,
+               **registry_apex)
+    assert_one_line_error(proc, "the apex in ", "is the unrelated registry package of that name, not NVIDIA Apex",
+                          "pip uninstall apex")
