@@ -1,0 +1,125 @@
+"""Step 06 (Horovod) under the real horovodrun: it trains, keeps the replicas identical, resumes
+bit for bit, matches DDP (step 04) to the last bit, writes checkpoints that steps 01 and 04 load,
+and says in one line when Horovod is missing.
+
+Every horovodrun start costs seconds on two cores (the launcher first checks its own build in
+subprocesses, then every rank imports torch), so one uninterrupted run serves several checks.
+That run is the classic command with --grad-accum 2 (Horovod's backward_passes_per_step). The
+other runs add --gloo, which skips horovodrun's MPI probe (this build has Gloo only). All use
+--amp off, so that step 01's fp32 evaluation of the checkpoint can be held to 06's logged numbers.
+Untested here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm) and --fp16-allreduce.
+"""
+import runpy
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from helpers import (BIN, PYTHON, REPO, SMOKE, TEST_SIZE, assert_trained, checkpoint_epoch, copy_checkpoint_dir,
+                     digests, env, free_port, load_checkpoint, metrics, run, script)
+
+# 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
+TRAIN = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
+
+
+def horovodrun(nproc, *args, gloo=True, **kw):
+    """`horovodrun [--gloo] -np N -H localhost:N python 06_cifar10_horovod.py ARGS` from the repository root."""
+    launcher = [BIN / "horovodrun", *(["--gloo"] if gloo else []), "-np", nproc, "-H", f"localhost:{nproc}"]
+    return run([*launcher, PYTHON, script(6), *args], **kw)
+
+
+@pytest.fixture(scope="module")
+def run06(cifar_dir, tmp_path_factory):
+    """The uninterrupted 2-process run, started exactly as the README's classic command."""
+    out = tmp_path_factory.mktemp("run06")
+    proc = horovodrun(2, "--data-dir", cifar_dir, *SMOKE, *TRAIN, "--out-dir", out, gloo=False)
+    return out, proc.output
+
+
+def test_two_processes_train_identical_replicas(run06):
+    out, output = run06
+    assert_trained(out, epochs=2, ranks=2)
+    assert "2 processes x 2 accumulation = 64 global" in output
+    assert output.count("epoch   2/2") == 1 and "[1]<stdout>:epoch" not in output, "only rank 0 logs"
+    state = load_checkpoint(checkpoint_epoch(out, 2))
+    assert state["step"] == "06_cifar10_horovod" and state["args"]["grad_accum"] == 2
+    # --lr is per process: two processes train with twice the default peak learning rate of 0.1.
+    assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.2)
+
+
+def test_resume_matches_the_uninterrupted_run_bit_for_bit(run06, cifar_dir, tmp_path):
+    common = ["--data-dir", cifar_dir, *SMOKE, *TRAIN, "--out-dir", tmp_path]
+    first = horovodrun(2, *common, "--stop-after", "1")
+    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    second = horovodrun(2, *common, "--resume", "auto")
+    # Only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast.
+    assert "[0]<stdout>:resumed from epoch 1 (written by 06_cifar10_horovod)" in second.output
+    assert "[1]<stdout>:resumed" not in second.output
+    assert_trained(tmp_path, epochs=2, ranks=2)
+    assert digests(tmp_path) == digests(run06[0])
+
+
+def run_together(*commands, timeout=300):
+    """Run commands side by side (one thread per process) and fail like helpers.run unless every one
+    exits 0. Returns their outputs (stdout and stderr together)."""
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd in commands]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for cmd, proc, output in zip(commands, procs, outputs):
+        if proc.returncode != 0:
+            pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{output[-6000:]}", pytrace=False)
+    return outputs
+
+
+def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):
+    """Horovod's allreduce and DDP's average the same gradients: 04 under torchrun, resumed from 06's
+    epoch 1 (the learning rate, already scaled, comes with the checkpoint), ends bit-identical to the
+    uninterrupted 06 run. Meanwhile 01 continues 06's last checkpoint to a third epoch."""
+    out = run06[0]
+    in04, in01 = tmp_path / "04", copy_checkpoint_dir(out, tmp_path / "01")
+    in04.mkdir()
+    shutil.copy(checkpoint_epoch(out, 1), in04)
+    data = ["--data-dir", cifar_dir, *SMOKE]
+    ddp, continued = run_together(
+        [BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", script(4), *data, *TRAIN,
+         "--out-dir", in04, "--resume", "auto"],
+        [PYTHON, script(1), *data, "--epochs", "3", "--batch-size", "64", "--out-dir", in01,
+         "--resume", checkpoint_epoch(in01, 2)])
+    assert "resumed from epoch 1 (written by 06_cifar10_horovod)" in ddp
+    assert digests(in04) == digests(out)
+    assert metrics(in04)[-1]["test_acc"] == metrics(out)[-1]["test_acc"]
+    assert "resumed from epoch 2 (written by 06_cifar10_horovod)" in continued
+    rows = metrics(in01)
+    assert [r["epoch"] for r in rows] == [3] and rows[0]["test_acc"] >= 0.5
+    assert load_checkpoint(checkpoint_epoch(in01, 3))["step"] == "01_cifar10_cpu"
+
+
+def test_01_evaluates_the_checkpoint_to_the_logged_accuracy(run06, cifar_dir, tmp_path):
+    """Step 01's own resume and evaluate code, called in this process: its main() evaluates only after
+    training an epoch. 06 evaluated a sharded test set (151 + 150 images) and summed the shards; 01
+    evaluates all 301 at once. Equal accuracy and loss mean no image was dropped or counted twice."""
+    step01 = runpy.run_path(script(1), run_name="step01")
+    args = step01["parse_args"]([str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--out-dir", tmp_path,
+                                                   "--resume", checkpoint_epoch(run06[0], 2)]])
+    train_loader, test_loader, _ = step01["build_data"](args)
+    model = step01["build_model"](args, torch.device("cpu"))
+    optimizer, scheduler = step01["build_optimizer"](args, model, len(train_loader))
+    assert step01["resume"](args, model, optimizer, scheduler)[0] == 2
+    evaluated = step01["evaluate"](model, test_loader, torch.device("cpu"))
+    logged = metrics(run06[0])[-1]
+    assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
+    assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)
+
+
+def test_missing_horovod_is_one_line_with_the_fix(cifar_dir, tmp_path):
+    """With horovod unimportable the script names the install script and the python to use it with."""
+    hide_horovod = ("import runpy, sys; sys.modules['horovod'] = None; sys.argv = sys.argv[1:]; "
+                    "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = run([PYTHON, "-c", hide_horovod, script(6), "--data-dir", cifar_dir, *SMOKE, "--out-dir", tmp_path / "o"],
+               check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output
+    errors = [line for line in proc.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Horovod is not importable" in errors[0], proc.output
+    assert f"PYTHON={PYTHON} bash scripts/install_horovod.sh" in errors[0]
+    assert not (tmp_path / "o").exists(), "nothing is written before the check"
