@@ -8,7 +8,6 @@ evaluation, checkpoints and resume. Nothing is parallel yet.
     python 01_cifar10_cpu.py --resume auto           # continue from the newest checkpoint
 """
 import argparse
-import os
 import sys
 import time
 

@@ -10,7 +10,6 @@ GradScaler on GPU, bf16 on CPU). cudnn.benchmark picks the fastest convolution a
     python 02_cifar10_gpu.py --arch cnn --epochs 3    # runs on the CPU too (bf16 autocast)
 """
 import argparse
-import os
 import sys
 import time
 

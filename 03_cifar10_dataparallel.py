@@ -12,7 +12,6 @@ still runs on a CPU. Step 04 (DDP) is faster: one process per GPU, no per-step c
     CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py # only GPUs 0 and 1
 """
 import argparse
-import os
 import sys
 import time
 

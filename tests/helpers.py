@@ -62,9 +62,49 @@ def run(cmd, timeout=300, check=True, **env_extra):
     return proc
 
 
+def launch_command(launcher, nproc, number):
+    """How the README starts script `number` with `nproc` processes under each launcher."""
+    return {
+        "torchrun": [BIN / "torchrun", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script(number)],
+        # The launcher of the old tutorials; it passes --local-rank=N to every process.
+        "legacy": [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}", script(number)],
+        # --gloo skips horovodrun's MPI probe (seconds per start; this build has Gloo only).
+        "horovodrun": [BIN / "horovodrun", "--gloo", "-np", nproc, "-H", f"localhost:{nproc}", PYTHON, script(number)],
+        "deepspeed": [BIN / "deepspeed", "--num_gpus", nproc, f"--master_port={free_port()}", script(number)],
+    }[launcher]
+
+
 def torchrun(nproc, number, *args, **kw):
-    return run([BIN / "torchrun", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-                script(number), *args], **kw)
+    return run([*launch_command("torchrun", nproc, number), *args], **kw)
+
+
+def legacy_launch(nproc, number, *args, **kw):
+    return run([*launch_command("legacy", nproc, number), *args], **kw)
+
+
+def horovodrun(nproc, number, *args, **kw):
+    return run([*launch_command("horovodrun", nproc, number), *args], **kw)
+
+
+def run_together(*commands, timeout=300):
+    """Run commands side by side and fail like run() unless every one exits 0. Returns their outputs."""
+    procs = [start(cmd) for cmd in commands]
+    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for cmd, proc, output in zip(commands, procs, outputs):
+        if proc.returncode != 0:
+            pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{output[-6000:]}", pytrace=False)
+    return outputs
+
+
+def assert_one_line_error(proc, *needles):
+    """Exit status 2, no traceback, and a single `error:` line that says all of `needles`."""
+    assert proc.returncode == 2, proc.output
+    assert "Traceback" not in proc.output, proc.output
+    errors = [line for line in proc.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.output
+    for needle in needles:
+        assert needle in errors[0], errors[0]
 
 
 def metrics(out_dir):
@@ -126,7 +166,7 @@ def start(cmd, **env_extra):
 
 
 def rank_process(launcher, rank, timeout=60):
-    """The worker process of `rank` below a launcher (found by its RANK environment variable)."""
+    """The worker process of `rank` below a launcher (found by its environment)."""
     import time
 
     import psutil
@@ -135,7 +175,9 @@ def rank_process(launcher, rank, timeout=60):
     while time.monotonic() < deadline:
         for child in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if child.environ().get("RANK") == str(rank) and "cifar10_" in " ".join(child.cmdline()):
+                environ = child.environ()  # horovodrun names it HOROVOD_RANK, the others RANK
+                if str(rank) in (environ.get("RANK"), environ.get("HOROVOD_RANK")) \
+                        and "cifar10_" in " ".join(child.cmdline()):
                     return child
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue

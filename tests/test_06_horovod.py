@@ -11,29 +11,23 @@ Untested here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm) and --f
 """
 import runpy
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from helpers import (BIN, PYTHON, REPO, SMOKE, TEST_SIZE, assert_trained, checkpoint_epoch, copy_checkpoint_dir,
-                     digests, env, free_port, load_checkpoint, metrics, run, script)
+from helpers import (BIN, PYTHON, SMOKE, TEST_SIZE, assert_trained, checkpoint_epoch, copy_checkpoint_dir,
+                     digests, free_port, horovodrun, load_checkpoint, metrics, run, run_together, script)
 
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
 TRAIN = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
-
-
-def horovodrun(nproc, *args, gloo=True, **kw):
-    """`horovodrun [--gloo] -np N -H localhost:N python 06_cifar10_horovod.py ARGS` from the repository root."""
-    launcher = [BIN / "horovodrun", *(["--gloo"] if gloo else []), "-np", nproc, "-H", f"localhost:{nproc}"]
-    return run([*launcher, PYTHON, script(6), *args], **kw)
 
 
 @pytest.fixture(scope="module")
 def run06(cifar_dir, tmp_path_factory):
     """The uninterrupted 2-process run, started exactly as the README's classic command."""
     out = tmp_path_factory.mktemp("run06")
-    proc = horovodrun(2, "--data-dir", cifar_dir, *SMOKE, *TRAIN, "--out-dir", out, gloo=False)
+    proc = run([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", PYTHON, script(6), "--data-dir", cifar_dir, *SMOKE,
+                *TRAIN, "--out-dir", out])
     return out, proc.output
 
 
@@ -50,26 +44,14 @@ def test_two_processes_train_identical_replicas(run06):
 
 def test_resume_matches_the_uninterrupted_run_bit_for_bit(run06, cifar_dir, tmp_path):
     common = ["--data-dir", cifar_dir, *SMOKE, *TRAIN, "--out-dir", tmp_path]
-    first = horovodrun(2, *common, "--stop-after", "1")
+    first = horovodrun(2, 6, *common, "--stop-after", "1")
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    second = horovodrun(2, *common, "--resume", "auto")
+    second = horovodrun(2, 6, *common, "--resume", "auto")
     # Only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast.
     assert "[0]<stdout>:resumed from epoch 1 (written by 06_cifar10_horovod)" in second.output
     assert "[1]<stdout>:resumed" not in second.output
     assert_trained(tmp_path, epochs=2, ranks=2)
     assert digests(tmp_path) == digests(run06[0])
-
-
-def run_together(*commands, timeout=300):
-    """Run commands side by side (one thread per process) and fail like helpers.run unless every one
-    exits 0. Returns their outputs (stdout and stderr together)."""
-    procs = [subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd in commands]
-    outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-    for cmd, proc, output in zip(commands, procs, outputs):
-        if proc.returncode != 0:
-            pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{output[-6000:]}", pytrace=False)
-    return outputs
 
 
 def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):

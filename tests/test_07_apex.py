@@ -9,32 +9,16 @@ import os
 
 import pytest
 
-from helpers import (EPOCHS, PYTHON, REPO, assert_trained, checkpoint_epoch, digests, free_port, load_checkpoint,
-                     metrics, run, script, torchrun)
+from helpers import (EPOCHS, PYTHON, REPO, assert_one_line_error, assert_trained, checkpoint_epoch, digests,
+                     load_checkpoint, legacy_launch, metrics, run, script, torchrun)
 
 TRAIN = [*EPOCHS, "--batch-size", "64"]
-
-
-def legacy_launch(nproc, *args):
-    """The launcher of the old Apex tutorials; it passes --local-rank=N to every process."""
-    return run([PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-                script(7), *args])
-
-
-def assert_one_line_error(proc, *needles):
-    """Exit status 2, no traceback, and a single `error:` line that says all of `needles`."""
-    assert proc.returncode == 2, proc.output
-    assert "Traceback" not in proc.output, proc.output
-    errors = [line for line in proc.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.output
-    for needle in needles:
-        assert needle in errors[0], errors[0]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("apex-uninterrupted")
-    proc = legacy_launch(2, *data, *TRAIN, "--out-dir", out)
+    proc = legacy_launch(2, 7, *data, *TRAIN, "--out-dir", out)
     return out, proc.output
 
 
@@ -43,7 +27,7 @@ def resumed(data, tmp_path_factory):
     """Epoch 1 under the legacy launcher, then --resume auto under torchrun: both launchers, one run."""
     out = tmp_path_factory.mktemp("apex-resumed")
     common = [*data, *TRAIN, "--out-dir", out]
-    legacy_launch(2, *common, "--stop-after", "1")
+    legacy_launch(2, 7, *common, "--stop-after", "1")
     proc = torchrun(2, 7, *common, "--resume", "auto")
     return out, proc.output
 
