@@ -5,12 +5,13 @@ Runtime errors run the scripts for real: steps 01-03 in-process through main() (
 command line reaches), the distributed steps through their launchers.
 """
 import importlib.util
+import json
 import shutil
 
 import pytest
 import torch
 
-from helpers import REPO, SMOKE, run, script, torchrun
+from helpers import PYTHON, REPO, SMOKE, run, script, torchrun
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[1-7]_cifar10_*.py"))
 
@@ -66,6 +67,49 @@ def test_runtime_errors_single_process(name, tmp_path, cifar_dir, capsys):
         err = capsys.readouterr().err.strip()
         assert exit_.value.code == 2, case
         assert err.startswith("error:") and complaint in err and len(err.splitlines()) == 1, (case, err)
+
+
+# One interpreter calls a distributed script's main() once per bad input (as a single process,
+# world size 1), leaving its process group between cases: one torch import per script, not per case.
+DRIVER = """
+import contextlib, importlib.util, io, json, os, sys
+import torch.distributed as dist
+spec = importlib.util.spec_from_file_location("step", sys.argv[1])
+step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step)
+results, environ = {}, dict(os.environ)
+for case, argv in json.loads(sys.argv[2]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            step.main(argv)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if "horovod.torch" in sys.modules:
+        sys.modules["horovod.torch"].shutdown()
+    os.environ.clear()
+    os.environ.update(environ)
+    results[case] = [code, err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("04", "05", "06", "07")])
+def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir):
+    bad = bad_cases(tmp_path, cifar_dir)
+    cases = {case: [str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / case,
+                                     *extra]]
+             for case, (extra, _) in bad.items()}
+    proc = run([PYTHON, "-c", DRIVER, REPO / name, json.dumps(cases)], timeout=300)
+    results = json.loads(proc.output.strip().splitlines()[-1])
+    for case, (_, complaint) in bad.items():
+        code, err = results[case]
+        lines = [line for line in err.strip().splitlines() if "Warning" not in line and line.strip()]
+        assert code == 2 and "Traceback" not in err, (case, err)
+        assert len(lines) == 1 and "error:" in lines[0] and complaint in lines[0], (case, err)
 
 
 def test_missing_data_offline_names_both_fixes(tmp_path):
