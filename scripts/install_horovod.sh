@@ -59,6 +59,13 @@ set -euo pipefail
 
 HVD_VERSION=0.28.1
 PY=${PYTHON:-python}
+# An absolute path, because the build runs in another folder. Not resolved through symlinks:
+# a venv's python is a symlink, and resolving it would leave the venv.
+case "$PY" in
+    /*) ;;
+    */*) PY="$PWD/$PY" ;;
+    *) PY=$(command -v "$PY" || echo "$PY") ;;
+esac
 WHEEL_CACHE=${HOROVOD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cifar10-parallel/wheels}
 LOG_DIR=$WHEEL_CACHE/logs
 LOG=$LOG_DIR/horovod-$HVD_VERSION-$(date +%Y%m%d-%H%M%S).log
