@@ -1,0 +1,134 @@
+"""Step 05 (DeepSpeed) under the real deepspeed launcher: ZeRO stages 0, 2 and 3 train and keep the
+replicas identical, an engine checkpoint resumes bit for bit, the exported checkpoint-epochNNNN.pt
+loads in step 01 and evaluates to the accuracy 05 logged, and a missing DeepSpeed or fp16 on the CPU
+is one line.
+
+Every launch costs seconds on two cores (the launcher's two processes and every rank import
+DeepSpeed), so there are five, each serving several checks:
+* run05: ZeRO-2 in bf16, 2 processes x 16 images x 2 accumulated passes, 2 epochs, the README's
+  command (`deepspeed -q`, DS_ACCELERATOR=cpu): the uninterrupted reference;
+* the same with --stop-after 1, then --resume auto: must end bit-identical to run05;
+* zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
+  numbers), with a config that partitions even the small model's weights; epoch 1 of 2;
+* ZeRO-0 in bf16 continues zero3's exported checkpoint (weights only) to epoch 2, launched as on a
+  plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed noise.
+"""
+import json
+
+import pytest
+import torch
+
+from common.checkpoint import weights_digest
+from helpers import (PYTHON, REPO, assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
+                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
+
+STEP = "05_cifar10_deepspeed"
+# 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
+ZERO2 = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--zero-stage", "2", "--amp", "bf16"]
+OURS = ("no CUDA GPU found", f"{STEP}:", "epoch ", "stopping after", "resumed from", "not started by")
+
+
+def deepspeed(nproc, *args, quiet=True, **kw):
+    """`deepspeed [-q] --num_gpus N 05_cifar10_deepspeed.py --deepspeed_config ds_config.json ARGS` from the
+    repository root (a later --deepspeed_config in ARGS wins). quiet: the README's CPU command, with -q and
+    DS_ACCELERATOR=cpu; otherwise as typed on a CPU machine that has neither."""
+    launcher, *rest = launch_command("deepspeed", nproc, 5)
+    command = [launcher, *(["-q"] if quiet else []), *rest, "--deepspeed_config", "ds_config.json", *args]
+    if quiet:
+        return run(command, DS_ACCELERATOR="cpu", **kw)
+    return run(["env", "-u", "DS_ACCELERATOR", *command], **kw)
+
+
+def losses(out_dir):
+    return [(r["epoch"], r["train_loss"], r["test_loss"], r["test_acc"]) for r in metrics(out_dir)]
+
+
+@pytest.fixture(scope="module")
+def run05(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run05")
+    proc = deepspeed(2, *data, *ZERO2, "--out-dir", out)
+    return out, proc.output
+
+
+@pytest.fixture(scope="module")
+def zero3(data, tmp_path_factory):
+    """ZeRO-3 in fp32, stopped after epoch 1 of 2. DeepSpeed keeps weights under 1e5 elements whole on every
+    rank (stage3_param_persistence_threshold), which is all of the small model's: the config sets 0."""
+    out = tmp_path_factory.mktemp("zero3")
+    config = json.loads((REPO / "ds_config.json").read_text())
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    (out / "zero3.json").write_text(json.dumps(config))
+    proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "32", "--amp", "off", "--stop-after", "1",
+                     "--deepspeed_config", out / "zero3.json", "--out-dir", out)
+    return out, proc.output
+
+
+def test_zero2_bf16_trains_identical_replicas_quietly(run05):
+    out, output = run05
+    assert_trained(out, epochs=2, ranks=2)
+    assert ("ZeRO stage 2, amp bf16, batch 16 per process x 2 processes x 2 accumulation = 64 global "
+            "(train_batch_size)") in output
+    assert output.count("epoch   2/2") == 1, "only rank 0 logs"
+    noise = [line for line in output.splitlines() if line.strip() and not line.startswith(OURS)]
+    assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)
+    state = load_checkpoint(checkpoint_epoch(out, 2))
+    assert state["step"] == STEP and state["optimizer"] is None and state["args"]["zero_stage"] == 2
+    # The export holds the fp32 master weights (not the bf16 copies the model ran with), and the digests
+    # every rank wrote are of exactly these weights: what 01-04 load and fingerprint.
+    assert {tensor.dtype for tensor in state["model"].values()} == {torch.float32}
+    assert weights_digest(state["model"]) == digests(out)[0]
+    assert (out / "ds_checkpoints" / "latest").read_text().strip() == "epoch0002"
+
+
+def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
+    common = [*data, *ZERO2, "--out-dir", tmp_path]
+    first = deepspeed(2, *common, "--stop-after", "1")
+    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    second = deepspeed(2, *common, "--resume", "auto")
+    assert f"resumed from epoch 1 (DeepSpeed checkpoint {tmp_path / 'ds_checkpoints' / 'epoch0001'})" in second.output
+    assert losses(tmp_path) == losses(run05[0]), "the resumed run must log the uninterrupted run's losses"
+    assert digests(tmp_path) == digests(run05[0]), "and end with bit-identical weights"
+
+
+def test_zero3_partitions_and_trains(zero3):
+    out, output = zero3
+    assert "ZeRO stage 3, amp off" in output
+    assert_trained(out, epochs=1, min_acc=0.4, ranks=2)  # one warm-up epoch: well above chance already
+    shards = sorted(path.name for path in (out / "ds_checkpoints" / "epoch0001").iterdir())
+    assert shards == [f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                      for rank in (0, 1) for kind in ("model", "optim")], "every rank saves its own shard"
+
+
+def test_01_evaluates_the_export_to_the_logged_accuracy(zero3, data, tmp_path):
+    """The weights gathered from ZeRO-3's shards; 05 evaluated through the engine on two test shards."""
+    assert_step01_evaluates_as_logged(checkpoint_epoch(zero3[0], 1), metrics(zero3[0])[0], data, tmp_path)
+
+
+def test_zero0_continues_an_export_and_ranks_add_no_noise(zero3, data, tmp_path):
+    proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "32", "--zero-stage", "0", "--amp", "bf16",
+                     "--resume", checkpoint_epoch(zero3[0], 1), "--out-dir", tmp_path, quiet=False)
+    assert "resumed from epoch 1 (written by 05_cifar10_deepspeed): weights only" in proc.output
+    assert "ZeRO stage 0, amp bf16" in proc.output
+    rows = metrics(tmp_path)
+    assert [row["epoch"] for row in rows] == [2] and rows[0]["test_acc"] >= 0.5, rows
+    found = digests(tmp_path)
+    assert sorted(found) == [0, 1] and len(set(found.values())) == 1, found
+    # The launcher's two processes (runner, launch.py) each warn that no GPU was found; the ranks do not
+    # (the script names the CPU), nor print the shm op build, the scheduler warning or torch's FutureWarnings.
+    assert proc.output.count("Setting accelerator to CPU") == 2, proc.output
+    for noise in ("built successfully", "Attempting to get learning rate", "untested optimizer", "FutureWarning"):
+        assert noise not in proc.output, proc.output
+
+
+def test_fp16_on_the_cpu_is_one_line(data, tmp_path):
+    proc = run([PYTHON, script(5), *data, "--amp", "fp16", "--out-dir", tmp_path / "o"], check=False)
+    assert_one_line_error(proc, "--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off")
+    assert not (tmp_path / "o").exists(), "nothing is written before the check"
+
+
+def test_missing_deepspeed_is_one_line_with_the_fix(data, tmp_path):
+    hide_deepspeed = ("import runpy, sys; sys.modules['deepspeed'] = None; sys.argv = sys.argv[1:]; "
+                      "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = run([PYTHON, "-c", hide_deepspeed, script(5), *data, "--out-dir", tmp_path / "o"], check=False)
+    assert_one_line_error(proc, "DeepSpeed is not importable", f"`{PYTHON} -m pip install deepspeed==0.19.8`")
+    assert not (tmp_path / "o").exists(), "nothing is written before the check"
