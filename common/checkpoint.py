@@ -135,6 +135,14 @@ def find_resume(resume, out_dir, arch):
     return None
 
 
+def _place_schedule(scheduler, step):
+    """Put a LambdaLR where it would be after `step` steps, without stepping it."""
+    scheduler.last_epoch = step
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
     """Load a checkpoint's states into the given objects and the RNGs; returns (epoch, global_step)."""
     try:
@@ -143,6 +151,8 @@ def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
+        elif scheduler is not None:  # no schedule saved (a DeepSpeed export): continue at its global step
+            _place_schedule(scheduler, state["global_step"])
         if scaler is not None and state["scaler"]:  # {} = saved by a disabled (bf16/fp32) scaler
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError) as error:

@@ -211,3 +211,22 @@ def kill_rank_after_epoch_1(launcher, out_dir, rank=1, timeout=120):
         os.killpg(launcher.pid, signal.SIGKILL)
         raise AssertionError(f"the job still ran {timeout} s after rank {rank} died: a hang")
     return launcher.returncode, output, time.monotonic() - killed
+
+
+def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_dir):
+    """Load a checkpoint with step 01's own code (parse_args, build_*, resume, evaluate), in this
+    process, and demand the accuracy and loss that the writing step logged for it. That step
+    evaluated a sharded test set and summed the shards; 01 evaluates it whole, so equal numbers
+    also mean no test image was dropped or counted twice."""
+    import runpy
+
+    step01 = runpy.run_path(script(1), run_name="step01")
+    args = step01["parse_args"]([str(a) for a in [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path]])
+    train_loader, test_loader, _ = step01["build_data"](args)
+    model = step01["build_model"](args, torch.device("cpu"))
+    optimizer, scheduler = step01["build_optimizer"](args, model, len(train_loader))
+    epoch, _ = step01["resume"](args, model, optimizer, scheduler)
+    assert epoch == logged["epoch"]
+    evaluated = step01["evaluate"](model, test_loader, torch.device("cpu"))
+    assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
+    assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)

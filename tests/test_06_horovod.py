@@ -9,14 +9,13 @@ other runs add --gloo, which skips horovodrun's MPI probe (this build has Gloo o
 --amp off, so that step 01's fp32 evaluation of the checkpoint can be held to 06's logged numbers.
 Untested here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm) and --fp16-allreduce.
 """
-import runpy
 import shutil
 
 import pytest
-import torch
 
-from helpers import (BIN, PYTHON, SMOKE, TEST_SIZE, assert_trained, checkpoint_epoch, copy_checkpoint_dir,
-                     digests, free_port, horovodrun, load_checkpoint, metrics, run, run_together, script)
+from helpers import (BIN, PYTHON, SMOKE, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
+                     copy_checkpoint_dir, digests, free_port, horovodrun, load_checkpoint, metrics, run, run_together,
+                     script)
 
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
 TRAIN = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
@@ -78,20 +77,9 @@ def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, c
 
 
 def test_01_evaluates_the_checkpoint_to_the_logged_accuracy(run06, cifar_dir, tmp_path):
-    """Step 01's own resume and evaluate code, called in this process: its main() evaluates only after
-    training an epoch. 06 evaluated a sharded test set (151 + 150 images) and summed the shards; 01
-    evaluates all 301 at once. Equal accuracy and loss mean no image was dropped or counted twice."""
-    step01 = runpy.run_path(script(1), run_name="step01")
-    args = step01["parse_args"]([str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--out-dir", tmp_path,
-                                                   "--resume", checkpoint_epoch(run06[0], 2)]])
-    train_loader, test_loader, _ = step01["build_data"](args)
-    model = step01["build_model"](args, torch.device("cpu"))
-    optimizer, scheduler = step01["build_optimizer"](args, model, len(train_loader))
-    assert step01["resume"](args, model, optimizer, scheduler)[0] == 2
-    evaluated = step01["evaluate"](model, test_loader, torch.device("cpu"))
-    logged = metrics(run06[0])[-1]
-    assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
-    assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)
+    """06 evaluated a sharded test set (151 + 150 images) with hvd.allreduce(op=hvd.Sum)."""
+    assert_step01_evaluates_as_logged(checkpoint_epoch(run06[0], 2), metrics(run06[0])[-1],
+                                      ["--data-dir", cifar_dir, *SMOKE], tmp_path)
 
 
 def test_missing_horovod_is_one_line_with_the_fix(cifar_dir, tmp_path):

@@ -89,3 +89,26 @@ def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
                            model_state={})
     with pytest.raises(UserError, match="pass --arch resnet18"):
         checkpoint.load(path, "cnn")
+
+
+def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_path):
+    """DeepSpeed exports carry no LambdaLR state: resuming one must not start the warm-up again."""
+    from common.schedule import warmup_cosine
+
+    def fresh():
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(100, 10))
+
+    model, optimizer, stepped = fresh()
+    for _ in range(37):
+        optimizer.step()
+        stepped.step()
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1, global_step=37,
+                           model_state=model.state_dict())
+    model, optimizer, placed = fresh()
+    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (1, 37)
+    assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
+    optimizer.step()
+    placed.step(), stepped.step()
+    assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())

@@ -12,7 +12,7 @@ from common import checkpoint
 from helpers import (BIN, DDP_ARGS, EPOCHS, REPO, digests, kill_rank_after_epoch_1, launch_command, metrics, run,
                      script, start)
 
-DEEPSPEED_VERDICT = "TODO"
+DEEPSPEED_VERDICT = r"sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return code = -9"
 
 
 # launcher, step, what the launcher says about the dead rank (rank 1, killed by signal 9)
