@@ -18,10 +18,6 @@ def data(cifar_dir):
     return ["--data-dir", cifar_dir, *SMOKE]
 
 
-@pytest.fixture
-def data_args(data):
-    return data
-
 
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
