@@ -32,12 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from common import checkpoint, data, metrics, models
 from common.cli import UserError, exits_cleanly, non_negative_int, positive_float, positive_int
+from common.schedule import warmup_cosine
 
 # DeepSpeed: torch calls two collectives that ZeRO uses deprecated; under ZeRO-3 the FutureWarning would repeat
 # every step. Only these two are silenced.
@@ -58,10 +60,9 @@ WARMUP_EPOCHS = 1  # DeepSpeed: momentum 0.9 and weight decay 5e-4 of 01-04's SG
 LOG_EVERY = 20  # steps between progress-bar loss updates
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")  # DeepSpeed: the default config
 ENGINE_DIR = "ds_checkpoints"  # DeepSpeed: the engine's checkpoints, a folder in --out-dir
-# DeepSpeed: two warnings every correct run prints (the schedule is read before its first step; torch's own SGD is
-# "untested" under ZeRO). They are filtered out; any other warning still shows.
-KNOWN_NOISE = ("Attempting to get learning rate from scheduler before it has started",
-               "**** You are using ZeRO with an untested optimizer")
+# DeepSpeed: a warning every correct run prints (torch's own SGD is "untested" under ZeRO). It is filtered out; any
+# other warning still shows.
+KNOWN_NOISE = ("**** You are using ZeRO with an untested optimizer",)
 
 
 # ----------------------------------------------------------------------------- argument parsing
@@ -239,18 +240,14 @@ def build_model(args, device):
 
 # ----------------------------------------------------------------------------- optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, config):
-    # DeepSpeed: the schedule counts optimizer steps, known only now (data, processes, accumulation): --epochs
-    # worth of them, the first epoch a linear warm-up, as in 01-04.
-    schedule = config.get("scheduler", {}).get("params", {})
-    for key, steps in [("total_num_steps", args.epochs * steps_per_epoch),
-                       ("warmup_num_steps", WARMUP_EPOCHS * steps_per_epoch)]:
-        if key in schedule:
-            schedule[key] = steps
-    # DeepSpeed: the engine builds the optimizer (torch's SGD, as in 01-04) and the schedule from the config and
-    # from now on owns precision (16-bit weights, fp32 master copies, fp16 loss scaling), the gradient average
+    # DeepSpeed: the engine builds the optimizer (torch's SGD, as in 01-04) from the config and steps the schedule we
+    # hand it: the same warm-up + cosine as 01-04 (DeepSpeed's WarmupCosineLR would start with two steps at lr 0).
+    # From now on it owns precision (16-bit weights, fp32 master copies, fp16 loss scaling), the gradient average
     # across processes, accumulation, clipping and ZeRO's partitioning. The loop only talks to the engine.
+    schedule = warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch)
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                               lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule))
     except (AssertionError, ValueError) as error:  # a config DeepSpeed refuses, in one line
         raise UserError(f"deepspeed.initialize refused the config: {' '.join(str(error).split())[:300]}") from None
     return engine
@@ -381,8 +378,7 @@ def resume(args, engine, rank, start_epoch, steps_per_epoch):
     found = engine_checkpoint(args)
     if found is None:  # DeepSpeed: fresh, or weights from load_weights: the schedule goes to where that epoch ended
         global_step = start_epoch * steps_per_epoch
-        if global_step and engine.lr_scheduler is not None:
-            engine.lr_scheduler.step(global_step - 1)
+        checkpoint.place_schedule(engine.lr_scheduler, global_step)
         return start_epoch, global_step
     # DeepSpeed: every rank reads its own shard of weights and optimizer state, the schedule, and our client_state.
     try:

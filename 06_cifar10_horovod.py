@@ -5,9 +5,10 @@ starts one process per GPU (or CPU slot), `hvd.init()` connects them, and the mo
 plain module: `hvd.DistributedOptimizer` wraps the optimizer and averages every gradient with an
 allreduce (started by hooks during backward) before each step. `hvd.broadcast_parameters` copies
 rank 0's weights to every rank at the start; after a resume `hvd.broadcast_optimizer_state` also
-copies its optimizer state (only rank 0 reads the checkpoint). --batch-size is PER PROCESS and, as in Horovod's own examples, the learning
-rate is multiplied by the number of processes (the global batch grows with it); the warm-up
-ramps up to it. Only rank 0 writes checkpoints; evaluation is sharded and summed exactly.
+copies its optimizer state (only rank 0 reads the checkpoint). --batch-size is PER PROCESS, and
+--lr is the peak learning rate of the global batch, as in every step (Horovod's own examples
+multiply it by hvd.size(); see docs/06-horovod.md). Only rank 0 writes checkpoints; evaluation is
+sharded and summed exactly.
 
     horovodrun -np 4 -H localhost:4 python 06_cifar10_horovod.py             # 4 processes, this machine
     horovodrun -np 2 python 06_cifar10_horovod.py                            # 2 processes, this machine
@@ -54,10 +55,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="images per PROCESS per forward pass; global batch = this x processes x --grad-accum "
                              "(default 128)")
-    # Horovod: --lr is for one process; build_optimizer multiplies it by the number of processes.
-    parser.add_argument("--lr", type=positive_float, default=0.1,
-                        help="peak learning rate of SGD for ONE process; multiplied by the number of processes "
-                             "(default 0.1)")
+    parser.add_argument("--lr", type=positive_float, default=0.1, help="peak learning rate of SGD (default 0.1)")
     parser.add_argument("--arch", choices=sorted(models.ARCHS), default="resnet18",
                         help="resnet18 (default) or cnn (small and fast, for smoke runs)")
     parser.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
@@ -177,10 +175,9 @@ def build_model(args, device):
 
 # ----------------------------------------------------------------------------- optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
-    # Horovod: a step averages the gradients of hvd.size() x more images, so the peak LR grows by the same
-    # factor (linear scaling rule, Goyal et al. 2017). The warm-up below climbs to it over the first epoch:
-    # full-size steps on a freshly initialised network can diverge.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=MOMENTUM,
+    # --lr is for the global batch, as in every step. Horovod's examples write lr=args.lr * hvd.size()
+    # (linear scaling: more processes, bigger global batch, bigger lr); here you choose it with --lr.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
     # Horovod: step() now waits for the gradients averaged over all ranks. Hooks start each tensor's
     # allreduce as soon as backward has produced it (overlapping communication with the rest of backward),

@@ -135,7 +135,7 @@ def find_resume(resume, out_dir, arch):
     return None
 
 
-def _place_schedule(scheduler, step):
+def place_schedule(scheduler, step):
     """Put a LambdaLR where it would be after `step` steps, without stepping it."""
     scheduler.last_epoch = step
     for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
@@ -152,7 +152,7 @@ def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
         elif scheduler is not None:  # no schedule saved (a DeepSpeed export): continue at its global step
-            _place_schedule(scheduler, state["global_step"])
+            place_schedule(scheduler, state["global_step"])
         if scaler is not None and state["scaler"]:  # {} = saved by a disabled (bf16/fp32) scaler
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError) as error:

@@ -526,8 +526,6 @@ def run_step(step, nproc, args, ctx, name=None, amp=None, channels_last=None, wo
     if step.number == 5 and flags["deepspeed_config"] and (REPO / "ds_config.json").is_file():
         script_args += ["--deepspeed_config", str(REPO / "ds_config.json")]  # as the README runs it
         row["notes"] += deepspeed_notes(REPO / "ds_config.json")
-    if step.number == 6 and nproc > 1:
-        row["notes"].append(f"Horovod scales --lr by the process count: peak LR {args.lr * nproc:g}")
     if step.number == 3 and not gpu:
         row["notes"].append("DataParallel without a GPU runs the model as it is")
     command = launch_command(step, nproc, script, script_args)

@@ -8,7 +8,8 @@ from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, run,
 def cifar_dir(tmp_path_factory):
     """A synthetic CIFAR-10 in the real format, written by the documented command."""
     root = tmp_path_factory.mktemp("data") / "synthetic"
-    run([PYTHON, "-m", "common.synthetic", "--data-dir", root, "--train-size", TRAIN_SIZE, "--test-size", TEST_SIZE])
+    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", TRAIN_SIZE,
+         "--test-size", TEST_SIZE])
     return root
 
 

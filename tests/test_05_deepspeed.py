@@ -20,7 +20,7 @@ import torch
 
 from common.checkpoint import weights_digest
 from helpers import (PYTHON, REPO, assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
-                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
+                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script, torchrun)
 
 STEP = "05_cifar10_deepspeed"
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
@@ -118,6 +118,16 @@ def test_zero0_continues_an_export_and_ranks_add_no_noise(zero3, data, tmp_path)
     assert proc.output.count("Setting accelerator to CPU") == 2, proc.output
     for noise in ("built successfully", "Attempting to get learning rate", "untested optimizer", "FutureWarning"):
         assert noise not in proc.output, proc.output
+
+
+def test_zero0_in_fp32_is_step_04_bit_for_bit(data, tmp_path):
+    """ZeRO 0 in fp32 is plain data parallelism: with the same recipe (the config neither clips nor schedules
+    on its own) the engine's step is DDP's, to the last bit. NHWC weights (04's --channels-last) would differ."""
+    same = [*data, "--epochs", "1", "--batch-size", "32", "--amp", "off", "--no-channels-last"]
+    torchrun(2, 4, *same, "--out-dir", tmp_path / "04")
+    deepspeed(2, *same, "--zero-stage", "0", "--out-dir", tmp_path / "05")
+    ddp, engine = digests(tmp_path / "04"), digests(tmp_path / "05")
+    assert sorted(ddp) == [0, 1] and engine == ddp, (ddp, engine)
 
 
 def test_fp16_on_the_cpu_is_one_line(data, tmp_path):

@@ -37,8 +37,8 @@ def test_two_processes_train_identical_replicas(run06):
     assert output.count("epoch   2/2") == 1 and "[1]<stdout>:epoch" not in output, "only rank 0 logs"
     state = load_checkpoint(checkpoint_epoch(out, 2))
     assert state["step"] == "06_cifar10_horovod" and state["args"]["grad_accum"] == 2
-    # --lr is per process: two processes train with twice the default peak learning rate of 0.1.
-    assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.2)
+    # --lr is the global batch's peak learning rate, as in every step (Horovod's examples would scale it by 2).
+    assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.1)
 
 
 def test_resume_matches_the_uninterrupted_run_bit_for_bit(run06, cifar_dir, tmp_path):
@@ -55,7 +55,7 @@ def test_resume_matches_the_uninterrupted_run_bit_for_bit(run06, cifar_dir, tmp_
 
 def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):
     """Horovod's allreduce and DDP's average the same gradients: 04 under torchrun, resumed from 06's
-    epoch 1 (the learning rate, already scaled, comes with the checkpoint), ends bit-identical to the
+    epoch 1, ends bit-identical to the
     uninterrupted 06 run. Meanwhile 01 continues 06's last checkpoint to a third epoch."""
     out = run06[0]
     in04, in01 = tmp_path / "04", copy_checkpoint_dir(out, tmp_path / "01")

@@ -7,7 +7,7 @@ import torch
 from common import data
 from common._torchvision import CIFAR10
 from common.cli import UserError
-from common.synthetic import write_synthetic_cifar10
+from common.synthetic import make_images, write_synthetic_cifar10
 
 
 def test_generated_folder_has_the_official_layout(cifar_dir):
@@ -38,6 +38,21 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(cifar_dir):
     first = torch.stack([train[i][0] for i in range(64)])
     train.set_epoch(2)
     assert not torch.equal(first, torch.stack([train[i][0] for i in range(64)]))  # a new epoch, new crops
+
+
+def nearest_mean_accuracy(features, labels, train=2000):
+    """Accuracy on the rest of a classifier that picks the class whose mean feature (over the first `train`) is
+    nearest: what a cheap feature alone can do."""
+    means = torch.stack([features[:train][labels[:train] == c].mean(0) for c in range(10)])
+    return (torch.cdist(features[train:], means).argmin(1) == labels[train:]).float().mean().item()
+
+
+def test_textures_hide_the_class_from_cheap_features():
+    images, labels = make_images(3000, seed=0)
+    assert nearest_mean_accuracy(images.float().mean((2, 3)), labels) < 0.15  # mean colour: chance
+    assert nearest_mean_accuracy(images[:, :, 16, 16].float(), labels) < 0.15  # one pixel: chance
+    easy, easy_labels = make_images(3000, seed=0, kind="easy")
+    assert nearest_mean_accuracy(easy.float().mean((2, 3)), easy_labels) > 0.5  # the check can see a cheap feature
 
 
 def test_missing_data_names_both_remedies(tmp_path):
