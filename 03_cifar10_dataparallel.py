@@ -1,17 +1,13 @@
 """Step 03: every GPU of one machine from one process, with nn.DataParallel.
 
-What changes from step 02: the model is wrapped in nn.DataParallel. Each forward pass splits
-the batch across the visible GPUs, copies the model to each of them, runs the pieces in threads
-and gathers the outputs on GPU 0, where the loss and the backward pass start. --batch-size is
-therefore the GLOBAL batch: with 4 GPUs and --batch-size 128 each GPU sees 32 images. The
-wrapper's state_dict has a `module.` prefix, so checkpoints save model.module.state_dict().
-Without GPUs DataParallel is a passthrough (it simply calls the model), which is why this step
-still runs on a CPU. Step 04 (DDP) is faster: one process per GPU, no per-step copy of the model.
+What changes from step 02: the model is wrapped in nn.DataParallel, which splits every batch across
+the visible GPUs, runs a copy of the model on each in threads and gathers the outputs on GPU 0.
+Checkpoints save model.module (no `module.` prefix). Without GPUs it simply calls the model.
 
     python 03_cifar10_dataparallel.py                          # all visible GPUs
     CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py # only GPUs 0 and 1
 """
-import argparse
+import itertools
 import sys
 import time
 
@@ -22,7 +18,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
 from common import checkpoint, data, metrics, models
-from common.cli import UserError, exits_cleanly, non_negative_int, positive_float, positive_int
+from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
 STEP = "03_cifar10_dataparallel"
@@ -32,53 +28,20 @@ LOG_EVERY = 20  # steps between progress-bar loss updates
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Step 03: CIFAR-10 on all GPUs of one machine with nn.DataParallel.")
-    parser.add_argument("--data-dir", default="./data",
-                        help="CIFAR-10 root holding cifar-10-batches-py/ (downloaded if missing; default ./data)")
-    parser.add_argument("--out-dir", default=f"runs/{STEP}",
-                        help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{STEP})")
-    parser.add_argument("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
-    parser.add_argument("--batch-size", type=positive_int, default=128,
-                        help="GLOBAL images per optimizer step, split evenly across the GPUs (default 128)")
-    parser.add_argument("--lr", type=positive_float, default=0.1, help="peak learning rate of SGD (default 0.1)")
-    parser.add_argument("--arch", choices=sorted(models.ARCHS), default="resnet18",
-                        help="resnet18 (default) or cnn (small and fast, for smoke runs)")
-    parser.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
-    parser.add_argument("--resume", metavar="PATH|auto",
-                        help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
-    parser.add_argument("--stop-after", type=positive_int, metavar="N",
-                        help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
-    # GPU: the speed knobs of a single device.
-    parser.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
-                        help="mixed precision: auto = fp16 on GPU, bf16 on CPU (default auto)")
-    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                        help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model (first epoch pays a one-time compile, 30-60 s on CPU)")
+    parser = shared_parser("Step 03: CIFAR-10 on all GPUs of one machine (DataParallel).", STEP)  # flags of every step
     return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
     torch.manual_seed(args.seed)
-    # GPU: use one if there is one; otherwise say so once and carry on on the CPU.
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # GPU: use one if there is one; otherwise say so once and carry on on the CPU
         device = torch.device("cuda", 0)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
         print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
-    # GPU: fp16 needs a GradScaler (its range is small); bf16 has fp32's range and does not.
-    amp = {"auto": "fp16" if device.type == "cuda" else "bf16"}.get(args.amp, args.amp)
-    if amp == "fp16" and device.type == "cpu":
-        raise UserError("--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off")
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
-    # DataParallel: the global batch is cut into one equal piece per GPU.
-    if torch.cuda.device_count() > 1 and args.batch_size % torch.cuda.device_count():
-        raise UserError(f"--batch-size {args.batch_size} does not split evenly across "
-                        f"{torch.cuda.device_count()} GPUs: use a multiple of {torch.cuda.device_count()}")
-    return device, amp_dtype
+    return device, amp_dtype(args.amp, device)  # GPU: fp16 by default, bf16 on the CPU
 
 
 # ----------------------------------------------------------------------------- data
@@ -86,29 +49,23 @@ def build_data(args):
     data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
     # Shuffle with our own generator, re-seeded every epoch: a resumed run sees the same batches.
-    shuffle = torch.Generator()
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=RandomSampler(train_set, generator=shuffle),
+    sampler = RandomSampler(train_set, generator=torch.Generator())
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
                               pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
     test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.cuda.is_available())
-    if len(train_loader) == 0:
-        raise UserError(f"--batch-size {args.batch_size} is larger than the {len(train_set)} training images")
-    return train_loader, test_loader, shuffle
+    if len(train_loader) < args.grad_accum:
+        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
+    return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
 def build_model(args, device):
     model = models.build_model(args.arch).to(device)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # GPU: NHWC weights for NHWC batches
-    # DataParallel: scatter each batch over all visible GPUs, replicate the model, gather on GPU 0.
-    model = nn.DataParallel(model)
-    if torch.cuda.device_count() > 1:
-        print(f"DataParallel over {torch.cuda.device_count()} GPUs: {args.batch_size // torch.cuda.device_count()} images per GPU")
-    else:
-        print(f"DataParallel with {torch.cuda.device_count()} GPU(s) is a passthrough: it calls the model directly "
-              "(the state_dict still gets the `module.` prefix)")
-    return model
+    model = model.to(memory_format=torch.channels_last) if args.channels_last else model  # NHWC weights
+    # DataParallel: each forward pass scatters the batch over all visible GPUs, replicates the model, gathers on GPU 0.
+    print(f"DataParallel over {torch.cuda.device_count()} GPU(s) (with fewer than 2: a passthrough)")
+    return nn.DataParallel(model)
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -117,36 +74,38 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch))
-    # GPU: scales the fp16 loss so small gradients do not flush to zero; a no-op for bf16/fp32.
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
     return optimizer, scheduler, scaler
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch):
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum):
     model.train()
-    loss_sum = torch.zeros((), device=device)
-    seen = 0
-    bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not sys.stderr.isatty())
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
+    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
+    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
+               disable=not sys.stderr.isatty())
     start = time.perf_counter()
     for step, (images, labels) in enumerate(bar):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
+        last_pass = (step + 1) % grad_accum == 0
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)  # GPU: skips the step if fp16 gradients overflowed
-        scaler.update()
-        scheduler.step()
-        loss_sum += loss.detach() * len(labels)  # stays on the device: no wait per step
-        seen += len(labels)
+        scaler.scale(loss / grad_accum).backward()  # gradients add up over the passes of a group
+        if last_pass:  # one optimizer step per group
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
+        totals[1] += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-    train_loss = loss_sum.item() / seen
+    loss_sum, seen = totals.tolist()
     seconds = time.perf_counter() - start
-    return {"train_loss": train_loss, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
             "peak_memory_mb": metrics.peak_memory_mb(device)}
 
 
@@ -156,8 +115,7 @@ def evaluate(model, loader, device, amp_dtype, memory_format):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for images, labels in loader:
-        # GPU: the same device, memory layout and precision as in training.
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        images = images.to(device, non_blocking=True, memory_format=memory_format)  # GPU: as in training
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images).float()
@@ -170,17 +128,15 @@ def evaluate(model, loader, device, amp_dtype, memory_format):
 
 # ----------------------------------------------------------------------------- checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic):
-    # DataParallel: save the wrapped model, without the `module.` prefix, so every step can load it.
+    # DataParallel: save the model inside the wrapper (no `module.` prefix), as every later step does too.
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
                            model_state=model.module.state_dict(), optimizer=optimizer, scheduler=scheduler,
                            scaler=scaler, args=args, metrics=row, synthetic=synthetic)
 
 
 def resume(args, model, optimizer, scheduler, scaler):
-    state = checkpoint.find_resume(args.resume, args.out_dir, args.arch)
+    state = checkpoint.find_resume(args.resume, args.out_dir, args.arch)  # None: start from scratch
     if state is None:
-        if args.resume == "auto":
-            print(f"no checkpoint in {args.out_dir}: starting from scratch")
         return 0, 0
     epoch, global_step = checkpoint.restore(state, model=model.module, optimizer=optimizer, scheduler=scheduler,
                                             scaler=scaler)
@@ -194,23 +150,22 @@ def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
     checkpoint.make_out_dir(args.out_dir)
-    train_loader, test_loader, shuffle = build_data(args)
+    train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
-    optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader), device, amp_dtype)
+    optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # GPU: batches as NHWC
-    train_model = torch.compile(model) if args.compile else model  # GPU: same weights; checkpoints use `model`
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
-    print(f"{STEP}: {args.arch} on {device}, amp {amp_dtype}, batch {args.batch_size}, {len(train_loader.dataset)} training images, "
-          f"{len(train_loader)} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))
+    print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
-        shuffle.manual_seed(args.seed + epoch)
+        sampler.generator.manual_seed(args.seed + epoch)
         train_loader.dataset.set_epoch(epoch)
         row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch)}
-        global_step += len(train_loader)
+                                                 amp_dtype, memory_format, epoch, args.grad_accum)}
+        global_step += len(train_loader) // args.grad_accum
         row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
         print(metrics.epoch_line(log.append(row), args.epochs), flush=True)

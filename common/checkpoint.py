@@ -121,8 +121,9 @@ def load(path, arch=None):
     return state
 
 
-def find_resume(resume, out_dir, arch):
-    """`--resume`: None -> None; 'auto' -> newest complete checkpoint in out_dir (or None); else that file."""
+def find_resume(resume, out_dir, arch, verbose=True):
+    """`--resume`: None -> None; 'auto' -> newest complete checkpoint in out_dir (or None, said when verbose);
+    else that file."""
     if resume is None:
         return None
     if resume != "auto":
@@ -132,6 +133,8 @@ def find_resume(resume, out_dir, arch):
             return load(path, arch)
         except UserError as error:
             print(f"warning: skipping {path}: {error}", file=sys.stderr)
+    if verbose:
+        print(f"no checkpoint in {out_dir}: starting from scratch")
     return None
 
 

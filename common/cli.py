@@ -1,4 +1,5 @@
-"""Command-line helpers shared by every step: argument types and the one-line error contract."""
+"""Command-line helpers shared by every step: the shared flags, argument types and the one-line error contract."""
+import argparse
 import functools
 import os
 import sys
@@ -6,6 +7,10 @@ import sys
 
 class UserError(Exception):
     """A problem the user can fix. Printed as one line (with the fix), exit status 2."""
+
+
+# Exception types that mean "another rank failed" (a collective lost its peer), added by the steps' libraries.
+PEER_FAILURES = []
 
 
 def _whole_number(text, minimum, rule):
@@ -37,9 +42,41 @@ def positive_float(text):
 
 
 def _arg_error(message):
-    import argparse
-
     return argparse.ArgumentTypeError(message)
+
+
+def shared_parser(description, step):
+    """The flags every step shares (the README's "Shared flags"); a step adds the flags of its method."""
+    from .models import ARCHS
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data-dir", default="./data",
+                        help="CIFAR-10 root holding cifar-10-batches-py/ (downloaded if missing; default ./data)")
+    parser.add_argument("--out-dir", default=f"runs/{step}",
+                        help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{step})")
+    parser.add_argument("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="images per forward pass of one process; global batch = this x processes x "
+                             "--grad-accum (default 128)")
+    parser.add_argument("--grad-accum", type=positive_int, default=1,
+                        help="forward/backward passes per optimizer step (gradient accumulation; default 1)")
+    parser.add_argument("--lr", type=positive_float, default=0.1,
+                        help="peak learning rate of SGD for the global batch (default 0.1)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="resnet18",
+                        help="resnet18 (default) or cnn (small and fast, for smoke runs)")
+    parser.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
+                        help="mixed precision: auto = fp16 on GPU, bf16 on CPU; off = fp32 (default auto)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                        help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (the first epoch pays a one-time compile, 30-60 s on CPU)")
+    parser.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
+    parser.add_argument("--resume", metavar="PATH|auto",
+                        help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
+    parser.add_argument("--stop-after", type=positive_int, metavar="N",
+                        help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
+    return parser
 
 
 def exits_cleanly(main):
@@ -58,8 +95,24 @@ def exits_cleanly(main):
             prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
             print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except Exception as error:
+            if not isinstance(error, tuple(PEER_FAILURES)):
+                raise
+            print("stopping: another rank stopped, so the collectives shut down (its own error is above)",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
 
     return wrapper
+
+
+def amp_dtype(choice, device):
+    """The autocast dtype of --amp on `device` (None = fp32). auto: fp16 on a GPU, bf16 on the CPU."""
+    import torch
+
+    amp = {"auto": "fp16" if device.type == "cuda" else "bf16"}.get(choice, choice)
+    if amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off")
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]

@@ -34,6 +34,21 @@ def read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def start_line(step, args, device, precision, train_loader, synthetic, processes=None, prefix=""):
+    """The run's first line: model, devices, precision, batch arithmetic, data. `processes` None: one process."""
+    steps, images = len(train_loader) // args.grad_accum, len(train_loader.dataset)
+    precision = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}.get(str(precision), precision)
+    if processes is None:
+        batch = f"batch {args.batch_size} x {args.grad_accum} accumulation"
+        where = device
+    else:
+        batch = (f"batch {args.batch_size} per process x {processes} processes x {args.grad_accum} accumulation = "
+                 f"{args.batch_size * processes * args.grad_accum} global")
+        where = f"{processes} x {device.type}"
+    return (f"{step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, {images} training images, "
+            f"{steps} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))
+
+
 def epoch_line(row, epochs):
     tag = "  [SYNTHETIC DATA]" if row.get("synthetic") else ""
     return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "

@@ -22,9 +22,9 @@ def data(cifar_dir):
 
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
-    """Step 01, 2 epochs, batch 64: the reference for resume and for DDP with 2 x 32."""
+    """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
     out = tmp_path_factory.mktemp("run01")
-    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", out])
+    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out])
     return out
 
 

@@ -7,17 +7,14 @@ synthetic CIFAR-10 written in the real on-disk format and read by torchvision's 
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent  # the venv's bin/: torchrun, deepspeed, horovodrun live here
-PYTHON = sys.executable
+from common import launchers
+from common.launchers import BIN, PYTHON, REPO, env, free_port  # noqa: F401 (the tests import them from here)
 
 # Sizes chosen so that a 2-epoch run of the small model takes seconds and still learns; the
 # odd test size does not divide by 2 processes, which the exact-evaluation checks rely on.
@@ -35,27 +32,10 @@ def script(number):
     return str(path)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env(**extra):
-    """The environment of a run: one thread per process (2 cores), unbuffered output, offline."""
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}",
-             PYTHONPATH=str(REPO))
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
-
-
 def run(cmd, timeout=300, check=True, **env_extra):
-    """Run a command from the repository root; with check=True fail the test (showing its output)
-    unless it exits 0. Returns the CompletedProcess with .output = stdout+stderr."""
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env(**env_extra), timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Run a command from the repository root (common.launchers.run); with check=True fail the test (showing
+    its output) unless it exits 0. Returns the CompletedProcess with .output = stdout+stderr."""
+    proc = launchers.run(cmd, timeout, **env_extra)
     proc.output = proc.stdout
     if check and proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.output[-6000:]}", pytrace=False)
@@ -63,16 +43,8 @@ def run(cmd, timeout=300, check=True, **env_extra):
 
 
 def launch_command(launcher, nproc, number):
-    """How the README starts script `number` with `nproc` processes under each launcher."""
-    return {
-        "torchrun": [BIN / "torchrun", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script(number)],
-        # The launcher of the old tutorials; it passes --local-rank=N to every process.
-        "legacy": [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
-                   f"--master_port={free_port()}", script(number)],
-        # --gloo skips horovodrun's MPI probe (seconds per start; this build has Gloo only).
-        "horovodrun": [BIN / "horovodrun", "--gloo", "-np", nproc, "-H", f"localhost:{nproc}", PYTHON, script(number)],
-        "deepspeed": [BIN / "deepspeed", "--num_gpus", nproc, f"--master_port={free_port()}", script(number)],
-    }[launcher]
+    """How the README starts script `number` with `nproc` processes under each launcher (common.launchers)."""
+    return launchers.launch_command(launcher, nproc, script(number))
 
 
 def torchrun(nproc, number, *args, **kw):
@@ -221,12 +193,14 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     import runpy
 
     step01 = runpy.run_path(script(1), run_name="step01")
-    args = step01["parse_args"]([str(a) for a in [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path]])
+    args = step01["parse_args"]([str(a) for a in [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path,
+                                                  "--amp", "off", "--no-channels-last"]])
+    cpu = torch.device("cpu")
     train_loader, test_loader, _ = step01["build_data"](args)
-    model = step01["build_model"](args, torch.device("cpu"))
-    optimizer, scheduler = step01["build_optimizer"](args, model, len(train_loader))
-    epoch, _ = step01["resume"](args, model, optimizer, scheduler)
+    model = step01["build_model"](args, cpu)
+    optimizer, scheduler, scaler = step01["build_optimizer"](args, model, len(train_loader), cpu, None)
+    epoch, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
     assert epoch == logged["epoch"]
-    evaluated = step01["evaluate"](model, test_loader, torch.device("cpu"))
+    evaluated = step01["evaluate"](model, test_loader, cpu, None, torch.contiguous_format)
     assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
     assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)

@@ -15,7 +15,7 @@ TOLERANCE = 3.0  # percentage points of test accuracy after epoch 2
 RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
 FP32 = ["--amp", "off"]
 STEPS = {  # step: (launcher or None for plain python, processes, arguments besides the recipe)
-    1: (None, 1, ["--batch-size", "64"]),
+    1: (None, 1, ["--batch-size", "64", *FP32]),
     2: (None, 1, ["--batch-size", "64", *FP32]),
     3: (None, 1, ["--batch-size", "64", *FP32]),
     4: ("torchrun", 2, ["--batch-size", "32", *FP32]),

@@ -17,9 +17,9 @@ def test_01_trains_above_chance(run01):
 
 
 def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
-    first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", tmp_path, "--stop-after", "1"])
+    first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--stop-after", "1"])
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    second = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", tmp_path, "--resume", "auto",
+    second = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--resume", "auto",
                   "--workers", "2"])  # another worker count: the batches must not change
     assert "resumed from epoch 1" in second.output
     assert_trained(tmp_path, epochs=2)
@@ -105,7 +105,7 @@ def test_04_two_nodes_on_one_machine(tmp_path, data, run04):
 def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
     """A checkpoint written by 04 resumes in 01, and one written by 01 resumes in 04 (2 processes)."""
     in01, in04 = tmp_path / "in01", tmp_path / "in04"
-    resumed = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--out-dir", in01,
+    resumed = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", in01,
                    "--resume", checkpoint_epoch(run04[0], 1)])
     assert "resumed from epoch 1 (written by 04_cifar10_ddp)" in resumed.output
     torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", in04,

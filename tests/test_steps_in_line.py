@@ -8,25 +8,30 @@ scripts statement by statement and accepts a changed block only if
     (a function that now also takes `scaler`, say), or imports.
 Anything else (a changed learning rate, an evaluation fixed in one script only, a drifted
 checkpoint call) fails with the offending lines, so the steps cannot silently drift apart.
-It also checks that every script has the same sections, in the same order.
+It also checks that every script has the same sections, in the same order, and that each diff stays
+within its budget of changed lines (`diff A B | grep -c '^[<>]'`, what a reader sees) and each script
+within its length limit: the best tutorials' steps differ by 17-145 lines.
 """
 import ast
 import difflib
 import re
+import subprocess
 
 import pytest
 
 from helpers import REPO
 
-# (base script, step script, marker of the step's lesson)
+# (base script, step script, marker of the step's lesson, most changed lines allowed between them)
 PAIRS = [
-    ("01_cifar10_cpu.py", "02_cifar10_gpu.py", "GPU:"),
-    ("02_cifar10_gpu.py", "03_cifar10_dataparallel.py", "DataParallel:"),
-    ("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:"),
-    ("04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "DeepSpeed:"),
-    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:"),
-    ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:"),
+    ("01_cifar10_cpu.py", "02_cifar10_gpu.py", "GPU:", 60),
+    ("02_cifar10_gpu.py", "03_cifar10_dataparallel.py", "DataParallel:", 40),
+    ("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:", 120),
+    ("04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "DeepSpeed:", 180),
+    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:", 120),
+    ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:", 120),
+    ("04_cifar10_ddp.py", "08_cifar10_fsdp.py", "FSDP:", 120),
 ]
+MAX_LINES, MAX_LINES_01 = 250, 170
 SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
             "train one epoch", "evaluate", "checkpoint", "main"]
 CONTEXT = 3  # logical lines around a block in which its marker may sit
@@ -94,11 +99,30 @@ def present(pairs):
             for p in pairs]
 
 
-@pytest.mark.parametrize("base,step,marker", present(PAIRS))
-def test_every_difference_is_the_lesson(base, step, marker):
+@pytest.mark.parametrize("base,step,marker,budget", present(PAIRS))
+def test_every_difference_is_the_lesson(base, step, marker, budget):
     problems = unexplained_changes(base, step, marker)
     assert not problems, (f"changes without a '# {marker}' marker nearby (drift, or a lesson line "
                           "missing its comment):\n" + "\n".join(problems))
+
+
+def changed_lines(base, step):
+    """What `diff base step | grep -c '^[<>]'` prints."""
+    out = subprocess.run(["diff", base, step], cwd=REPO, stdout=subprocess.PIPE, text=True).stdout
+    return sum(line.startswith(("<", ">")) for line in out.splitlines())
+
+
+@pytest.mark.parametrize("base,step,marker,budget", present(PAIRS))
+def test_every_diff_is_within_its_budget(base, step, marker, budget):
+    count = changed_lines(base, step)
+    assert count <= budget, f"{base} -> {step}: {count} changed lines, budget {budget}: move what is not the lesson"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py")))
+def test_every_script_is_within_its_length(path):
+    limit = MAX_LINES_01 if path.startswith("01_") else MAX_LINES
+    count = len((REPO / path).read_text().splitlines())
+    assert count <= limit, f"{path}: {count} lines, limit {limit}"
 
 
 def test_unmarked_drift_is_caught(tmp_path, monkeypatch):
@@ -112,9 +136,14 @@ def test_unmarked_drift_is_caught(tmp_path, monkeypatch):
     assert len(problems) == 1 and "1e-4" in problems[0]
 
 
-@pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-7]_cifar10_*.py")))
+@pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py")))
 def test_same_sections_in_the_same_order(path):
     source = (REPO / path).read_text()
     found = re.findall(r"^# -{20,} (.+)$", source, flags=re.M)
     assert found == SECTIONS, found
     assert source.rstrip().endswith('if __name__ == "__main__":\n    main()')
+
+
+def test_the_budget_check_can_fail():
+    """01 -> 04 adds three lessons at once: far more changed lines than one step's budget."""
+    assert changed_lines("01_cifar10_cpu.py", "04_cifar10_ddp.py") > 120

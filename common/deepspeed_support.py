@@ -1,0 +1,131 @@
+"""What step 05 needs around DeepSpeed that is not the lesson: a quiet import, config reading, checkpoint mechanics.
+
+* load(): import DeepSpeed (one line with the fix if it is missing), with the CPU named up front (else every
+  process warns that it found no GPU), the C++ op that only inference's all-reduce uses marked unavailable on the
+  CPU (else the first run compiles it for 30-90 s of silence), and two known warnings filtered: torch's
+  deprecation of two collectives ZeRO calls (under ZeRO-3, every step) and "untested optimizer" for torch's SGD.
+* read_config(), set_precision(): ds_config.json as a dict, with one-line errors; --amp written into it.
+* export_weights(): the fp32 weights gathered from the ZeRO shards, for checkpoint-epochNNNN.pt.
+* engine_checkpoint() / load_engine(): which engine checkpoint --resume names, and loading it with one-line errors.
+"""
+import json
+import os
+import shutil
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+
+from .cli import UserError
+
+VERSION = "0.19.8"  # as pinned in requirements.txt
+KNOWN_NOISE = ("**** You are using ZeRO with an untested optimizer",)
+ENGINE_DIR = "ds_checkpoints"  # the engine's checkpoints, a folder in --out-dir
+
+
+def load():
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher does not set it (torchrun does): share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
+    try:
+        import deepspeed
+    except ImportError as error:
+        reason = str(error).strip().splitlines()[0][:120]
+        raise UserError(f"DeepSpeed is not importable by {sys.executable} ({reason}): install it with "
+                        f"`{sys.executable} -m pip install deepspeed=={VERSION}`") from None
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.addFilter(lambda record: not record.getMessage().startswith(KNOWN_NOISE))
+    return deepspeed
+
+
+def read_config(path, default):
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as error:
+        raise UserError(f"--deepspeed_config {path}: {error.strerror}; pass a DeepSpeed config such as {default}") \
+            from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"--deepspeed_config {path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict) or "optimizer" not in config:
+        raise UserError(f"{path} has no \"optimizer\" block: the engine builds the optimizer from the config here "
+                        f"(copy the one in {default})")
+    config.pop("train_batch_size", None)  # micro batch x accumulation x processes: DeepSpeed derives it
+    return config
+
+
+def set_precision(config, amp_dtype):
+    """Write --amp into the config: the engine keeps 16-bit weights with fp32 master copies (fp16 with loss scaling)
+    instead of autocast. Our models normalise the images with buffers, so buffers take that dtype too (DeepSpeed
+    casts them only when told to)."""
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[amp_dtype]
+    for key in ("bf16", "fp16"):
+        config.setdefault(key, {})["enabled"] = precision == key
+    if amp_dtype is None:
+        config.get("data_types", {}).pop("buffer_dtype", None)
+    else:
+        config.setdefault("data_types", {})["buffer_dtype"] = precision
+
+
+def export_weights(engine):
+    """The whole model as a plain fp32 state_dict, gathered from the ZeRO shards of all ranks.
+    Collective: every rank must call it, and every rank gets the whole model."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}  # ZeRO 0 with bf16/fp16 keeps the fp32 master weights in its optimizer wrapper
+    if engine.zero_optimization_stage() == 0 and hasattr(engine.optimizer, "fp32_groups"):
+        for low, high in zip(engine.optimizer.fp16_groups, engine.optimizer.fp32_groups):
+            masters.update({id(weight): master for weight, master in zip(low, high)})
+    state = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, nn.Parameter):  # ZeRO 1-3: the fp32 master, all-gathered; ZeRO 0: master or weight
+            full = safe_get_full_fp32_param(tensor)
+            tensor = full if full is not None else masters.get(id(tensor), tensor)
+        # Buffers (batch-norm statistics) are never partitioned; stored as fp32 like the weights.
+        state[name] = (tensor.detach().float() if tensor.is_floating_point() else tensor.detach()).cpu().clone()
+    return state
+
+
+def prune(folder, keep=3):
+    """Keep the newest `keep` epoch folders of the engine's checkpoints, like checkpoint-epoch*.pt."""
+    for old in sorted(name for name in os.listdir(folder) if name.startswith("epoch"))[:-keep]:
+        shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
+
+
+def engine_checkpoint(resume, out_dir):
+    """The engine checkpoint --resume names, as (folder, tag); None if it names none.
+    auto: the newest in --out-dir (its `latest` file); PATH: that folder, or one epoch folder in it."""
+    if resume == "auto":
+        folder = os.path.join(out_dir, ENGINE_DIR)
+        return (folder, None) if os.path.isfile(os.path.join(folder, "latest")) else None
+    if resume is None or not os.path.isdir(resume):
+        return None
+    path = os.path.abspath(resume)
+    if os.path.isfile(os.path.join(path, "latest")):
+        return path, None
+    if not any(name.endswith("model_states.pt") for name in os.listdir(path)):
+        raise UserError(f"--resume {resume}: not a DeepSpeed checkpoint (no `latest` file, no *model_states.pt); "
+                        f"pass its {ENGINE_DIR} folder, one epoch folder in it, or a checkpoint-epochNNNN.pt")
+    return os.path.split(path)
+
+
+def load_engine(engine, found, resume, step):
+    """engine.load_checkpoint(*found): every rank reads its shard of weights and optimizer state, the schedule and
+    our client_state (whose RNG state it restores). Returns (folder, client_state); errors in one line."""
+    try:
+        path, client = engine.load_checkpoint(*found)
+    except Exception as error:  # a checkpoint of another ZeRO stage or world size fails deep inside DeepSpeed
+        reason = ": ".join(filter(None, [type(error).__name__, " ".join(str(error).split())]))[:200]
+        raise UserError(f"cannot load the DeepSpeed checkpoint in {os.path.join(*filter(None, found))} ({reason}); "
+                        "resume with the ZeRO stage and number of processes that wrote it, or continue from its "
+                        "checkpoint-epochNNNN.pt (weights only)") from None
+    if path is None or "epoch" not in (client or {}):
+        raise UserError(f"--resume {resume}: no DeepSpeed checkpoint of {step} there (expected a folder written "
+                        "by it, holding `latest` or *model_states.pt)")
+    torch.set_rng_state(client["rng"]["torch"])
+    return os.path.dirname(path), client

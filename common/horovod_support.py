@@ -1,0 +1,46 @@
+"""What step 06 needs around Horovod that is not the lesson: the import, thread count, build check, SyncBatchNorm."""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+from . import cli
+
+
+def load():
+    """horovod.torch, or one line saying how to build it. A rank that stops because another rank failed
+    (HorovodInternalError in a collective) then says so in one line instead of a traceback."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as error:
+        reason = str(error).strip().splitlines()[0][:120]
+        raise cli.UserError(f"Horovod is not importable by {sys.executable} ({reason}): build it for this torch with "
+                            f"`PYTHON={sys.executable} bash scripts/install_horovod.sh`, then run with that python") \
+            from None
+    cli.PEER_FAILURES.append(hvd.HorovodInternalError)
+    return hvd
+
+
+def share_cores(hvd):
+    """horovodrun does not set OMP_NUM_THREADS (torchrun does): the processes of one machine share its cores."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+
+
+def check_gpu_build(hvd):
+    if not hvd.cuda_built():  # a CPU-only build cannot allreduce GPU tensors
+        raise cli.UserError("this Horovod was built without GPU support: rebuild it with `HOROVOD_GPU_OPERATIONS=NCCL "
+                            f"PYTHON={sys.executable} bash scripts/install_horovod.sh` (CUDA torch installed first)")
+
+
+def sync_batchnorm(hvd, module):
+    """hvd.SyncBatchNorm in place of every batch norm (Horovod has no convert_sync_batchnorm)."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        sync = hvd.SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        sync.load_state_dict(module.state_dict())  # same parameter and buffer names: checkpoints do not change
+        return sync.to(module.weight.device if module.affine else "cpu")
+    for name, child in module.named_children():
+        setattr(module, name, sync_batchnorm(hvd, child))
+    return module
