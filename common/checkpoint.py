@@ -70,7 +70,7 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
     state = {
         "format": FORMAT, "step": step, "arch": arch,
         "model": model_state,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # an optimizer, or its state (or None)
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "epoch": epoch, "global_step": global_step, "rng": rng_states(),
@@ -149,7 +149,8 @@ def place_schedule(scheduler, step):
 def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
     """Load a checkpoint's states into the given objects and the RNGs; returns (epoch, global_step)."""
     try:
-        model.load_state_dict(state["model"])
+        if model is not None:  # None: the caller loads the weights itself (FSDP's shards)
+            model.load_state_dict(state["model"])
         if optimizer is not None and state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:

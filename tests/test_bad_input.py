@@ -13,7 +13,7 @@ import torch
 
 from helpers import PYTHON, REPO, SMOKE, run, script, torchrun
 
-SCRIPTS = sorted(p.name for p in REPO.glob("0[1-7]_cifar10_*.py"))
+SCRIPTS = sorted(p.name for p in REPO.glob("0[1-8]_cifar10_*.py"))
 
 
 def load_script(name):
@@ -97,7 +97,7 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("04", "05", "06", "07")])
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("04", "05", "06", "07", "08")])
 def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir):
     bad = bad_cases(tmp_path, cifar_dir)
     cases = {case: [str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / case,

@@ -22,6 +22,7 @@ STEPS = {  # step: (launcher or None for plain python, processes, arguments besi
     5: ("deepspeed", 2, ["--batch-size", "32", *FP32, "--deepspeed_config", "ds_config.json"]),
     6: ("horovodrun", 2, ["--batch-size", "32", *FP32]),
     7: ("torchrun", 2, ["--batch-size", "32", *FP32]),
+    8: ("torchrun", 2, ["--batch-size", "32", *FP32]),
 }
 
 

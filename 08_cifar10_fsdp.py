@@ -1,0 +1,243 @@
+"""Step 08: PyTorch's own sharding, FSDP2 (fully_shard), with Distributed Checkpoints (DCP).
+
+What changes from step 04: instead of a DDP replica per process, fully_shard splits every weight, its
+gradient and optimizer state across the processes (each residual block is a unit, gathered just before
+it runs); the loop is unchanged. Checkpoints: DCP shards per rank (exact resume on any number of
+processes) and the common checkpoint-epochNNNN.pt (gathered on rank 0), which every step loads.
+
+    torchrun --nproc_per_node=4 08_cifar10_fsdp.py
+    torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=4 08_cifar10_fsdp.py
+"""
+import datetime
+import gc
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from common import checkpoint, data, distributed, fsdp_support, metrics, models
+from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
+from common.schedule import warmup_cosine
+
+STEP = "08_cifar10_fsdp"
+MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
+LOG_EVERY = 20  # steps between progress-bar loss updates
+
+
+# ----------------------------------------------------------------------------- argument parsing
+def parse_args(argv=None):
+    parser = shared_parser("Step 08: CIFAR-10 with FSDP2 (fully_shard) and DCP checkpoints.", STEP)
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DDP: launcher argument
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="batch-norm statistics over the global batch (SyncBatchNorm; needs CUDA GPUs)")
+    parser.add_argument("--spawn", type=positive_int, metavar="N",
+                        help="start N processes with torch.multiprocessing.spawn instead of a launcher")
+    parser.add_argument("--dist-timeout", type=positive_int, default=600, metavar="SECONDS",
+                        help="how long a collective waits for a missing rank before failing (default 600)")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- process/device setup
+def setup(args):
+    torch.manual_seed(args.seed)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
+    if torch.cuda.is_available():
+        if args.local_rank >= torch.cuda.device_count():  # DDP: more processes than GPUs on this machine
+            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
+        device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
+    else:
+        device = torch.device("cpu")
+        if rank == 0:  # DDP: one line, not one per process
+            print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
+    if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
+        raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # DDP: nccl moves GPU tensors, gloo CPU ones
+                            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # DDP: dead peer = error, not hang
+    return device, amp_dtype(args.amp, device), rank, world_size
+
+
+# ----------------------------------------------------------------------------- data
+def build_data(args):
+    if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
+        data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+    dist.barrier()
+    train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    # DDP: each rank draws a disjoint 1/world_size shard of one shared permutation (seed + epoch).
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                              num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
+                              pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
+    # DDP: evaluation shards the test set without padding, so no image is counted twice.
+    test_loader = DataLoader(test_set, batch_size=fsdp_support.eval_batch_size(len(test_set), dist.get_world_size()),
+                             sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
+                             num_workers=args.workers, pin_memory=torch.cuda.is_available())
+    if len(train_loader) < args.grad_accum:
+        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
+    return train_loader, test_loader, sampler
+
+
+# ----------------------------------------------------------------------------- model
+def build_model(args, device, amp_dtype):
+    model = models.build_model(args.arch).to(device)  # FSDP: NCHW weights (--channels-last: NHWC batches only)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # FSDP: one dimension: shard over every rank
+    # FSDP: on a GPU in bf16, the policy casts: bf16 weights for compute, gradients reduced in fp32. Elsewhere fp32
+    # shards, with the loop's autocast as in 04 (a bf16 policy on the CPU fails for batch norm in a larger unit).
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" and amp_dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in models.blocks(model):  # FSDP: a unit per block: its weights are all-gathered just before it runs
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP: the root unit: every weight not in a block
+
+
+# ----------------------------------------------------------------------------- optimizer and schedule
+def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
+                                weight_decay=WEIGHT_DECAY, nesterov=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch))
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
+    return optimizer, scheduler, scaler
+
+
+# ----------------------------------------------------------------------------- train one epoch
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum):
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
+    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
+    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
+               disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
+    start = time.perf_counter()
+    for step, (images, labels) in enumerate(bar):
+        # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
+        last_pass = (step + 1) % grad_accum == 0
+        model.set_requires_gradient_sync(last_pass)  # FSDP: reduce-scatter the gradients on the last pass only
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(images), labels)
+        scaler.scale(loss / grad_accum).backward()  # gradients add up over the passes of a group
+        if last_pass:  # FSDP: each rank holds the averaged gradient of its shard now; one optimizer step per group
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
+        totals[1] += len(labels)
+        if not bar.disable and step % LOG_EVERY == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
+    loss_sum, seen = totals.tolist()
+    seconds = time.perf_counter() - start
+    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+            "peak_memory_mb": metrics.peak_memory_mb(device)}
+
+
+# ----------------------------------------------------------------------------- evaluate
+@torch.no_grad()
+def evaluate(model, loader, device, amp_dtype, memory_format):
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True, memory_format=memory_format)  # GPU: as in training
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images).float()
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+    dist.all_reduce(totals)  # DDP: add up every shard's loss sum, hits and count
+    loss_sum, correct, count = totals.tolist()
+    return {"test_loss": loss_sum / count, "test_acc": correct / count}
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic):
+    # FSDP: on EVERY rank: its shards into a DCP checkpoint (exact resume on any number of processes), then the
+    # whole model and optimizer state gathered for rank 0's checkpoint-epochNNNN.pt, the format of 01-07.
+    fsdp_support.save_sharded(args.out_dir, epoch, model, optimizer, {
+        "step": STEP, "epoch": epoch, "global_step": global_step, "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(), "rng": checkpoint.rng_states()})
+    model_state, optimizer_state = fsdp_support.full_state(model, optimizer)
+    if dist.get_rank() == 0:
+        return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
+                               model_state=model_state, optimizer=optimizer_state, scheduler=scheduler,
+                               scaler=scaler, args=args, metrics=row, synthetic=synthetic)
+
+
+def resume(args, model, optimizer, scheduler, scaler):
+    # FSDP: a DCP checkpoint (--resume auto: the newest; or its folder) is read shard by shard, resharded to this
+    # number of processes; a checkpoint-epochNNNN.pt of any step is read whole by every rank and split into shards.
+    sharded = fsdp_support.latest_sharded(args.out_dir) if args.resume == "auto" else \
+        (args.resume if args.resume and os.path.isdir(args.resume) else None)
+    state = fsdp_support.load_sharded(sharded, model, optimizer) if sharded else \
+        checkpoint.find_resume(args.resume, args.out_dir, args.arch, verbose=dist.get_rank() == 0)
+    if state is None:
+        return 0, 0
+    if not sharded:
+        fsdp_support.load_full(model, optimizer, state)  # FSDP: whole tensors in, this rank keeps its shards
+    epoch, global_step = checkpoint.restore(state, model=None, scheduler=scheduler, scaler=scaler)
+    if dist.get_rank() == 0:  # DDP: every rank read the same file; one of them says so
+        print(f"resumed from epoch {epoch} (written by {state['step']}{', sharded' if sharded else ''})")
+    return epoch, global_step
+
+
+# ----------------------------------------------------------------------------- main
+@exits_cleanly
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:  # DDP: no launcher: start --spawn N processes here (mp.spawn), or be a group of one
+        return distributed.without_launcher(main, argv, args.spawn)
+    device, amp_dtype, rank, world_size = setup(args)
+    checkpoint.make_out_dir(args.out_dir)
+    train_loader, test_loader, sampler = build_data(args)
+    synthetic = data.is_synthetic(args.data_dir)
+    model = build_model(args, device, amp_dtype)
+    amp_dtype = None if device.type == "cuda" and amp_dtype == torch.bfloat16 else amp_dtype  # FSDP: the policy casts
+    optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
+    start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
+    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
+    if rank == 0:
+        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
+
+    for epoch in range(start_epoch + 1, args.epochs + 1):
+        sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
+        train_loader.dataset.set_epoch(epoch)
+        row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
+                                                 amp_dtype, memory_format, epoch, args.grad_accum)}
+        global_step += len(train_loader) // args.grad_accum
+        row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
+        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)  # FSDP: all ranks
+        if rank == 0:  # DDP: one writer; the others would race on the same files
+            print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
+        dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
+        if args.stop_after and epoch - start_epoch >= args.stop_after and epoch < args.epochs:
+            if rank == 0:
+                print(f"stopping after {args.stop_after} epoch(s) as asked; continue with --resume auto")
+            break
+
+    if rank == 0:
+        metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
+    checkpoint.write_digest(args.out_dir, rank, fsdp_support.full_model(model))  # FSDP: gathered: equal on every rank
+    del model, train_model  # DDP: free the wrapper now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
+    gc.collect()
+    dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
+
+
+if __name__ == "__main__":
+    main()
