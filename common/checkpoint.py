@@ -21,6 +21,7 @@ Files are `checkpoint-epochNNNN.pt` in --out-dir. A save writes a temporary file
 disk and renames it into place, so a crash (even SIGKILL during the save) never leaves a
 truncated file under a checkpoint name: the previous one stays the newest complete checkpoint.
 """
+import contextlib
 import glob
 import os
 import pickle
@@ -81,8 +82,9 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
     path = checkpoint_path(out_dir, epoch)
     try:
         atomic_save(state, path)
-    except OSError as error:
-        raise UserError(f"cannot write checkpoint {path} ({error.strerror}); the previous checkpoints "
+    except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else "the write failed: disk full?"
+        raise UserError(f"cannot write checkpoint {path} ({reason}); the previous checkpoints "
                         "are untouched: free disk space or pick a writable --out-dir, then --resume auto") from None
     for old in list_checkpoints(out_dir)[keep:]:
         os.remove(old)
@@ -100,6 +102,11 @@ def load(path, arch=None):
     """Load and validate a checkpoint of this collection. Any problem is one UserError with the fix."""
     if not os.path.isfile(path):
         raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest checkpoint in --out-dir)")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save writes a zip archive (old torch: a pickle)
+        raise UserError(f"{path} is not a checkpoint (not a file written by torch.save): "
+                        "pass a checkpoint-epochNNNN.pt written by one of the numbered scripts")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -193,6 +200,12 @@ def make_out_dir(out_dir):
     """Create --out-dir and prove it is writable before any training time is spent."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
+    # Leftovers: saves killed before their rename, and the weight digests of an earlier run (which, from a run with
+    # more processes, would claim a disagreement with this run's). Another rank may be removing them too.
+    for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256"):
+        for leftover in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write-test-{os.getpid()}")

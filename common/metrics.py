@@ -1,6 +1,7 @@
 """metrics.jsonl (one JSON object per epoch), console lines, and the training-curve PNG."""
 import json
 import os
+import sys
 
 FILE = "metrics.jsonl"
 PLOT = "training_curves.png"
@@ -81,7 +82,12 @@ def plot(out_dir, title):
     fig.suptitle(title)
     fig.tight_layout()
     path = os.path.join(out_dir, PLOT)
-    fig.savefig(path, dpi=100)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as error:  # the checkpoints and metrics.jsonl are written already: say so, do not fail the run
+        print(f"warning: could not draw {path} ({error.strerror or error}); the checkpoints are complete",
+              file=sys.stderr)
+        path = None
     plt.close(fig)
     return path
 

@@ -68,10 +68,11 @@ class RunsCode:
 
 
 @pytest.mark.parametrize("content,message", [
-    (b"not a checkpoint at all", "not a readable checkpoint"),
+    (b"not a checkpoint at all", r"not a checkpoint \(not a file written by torch.save\)"),
+    (b"PK\x03\x04 then nothing", "not a readable checkpoint"),
     ({"model": {}}, "not a checkpoint of this collection"),
     (RunsCode(), "refusing to load"),
-], ids=["garbage", "foreign", "code"])
+], ids=["garbage", "truncated-zip", "foreign", "code"])
 def test_bad_checkpoints_are_refused_clearly(tmp_path, monkeypatch, content, message):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "bad.pt"
@@ -112,3 +113,34 @@ def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_pa
     optimizer.step()
     placed.step(), stepped.step()
     assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(tmp_path, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=1, global_step=1, model_state=model.state_dict())
+
+    def disk_full(obj, f, *args, **kwargs):  # what torch's zip writer raises when the disk fills up
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(UserError, match="cannot write checkpoint .*disk full.*previous checkpoints are untouched"):
+        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=2, global_step=2, model_state=model.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch0001.pt"], "no partial file may be left behind"
+
+
+def test_leftovers_of_a_killed_save_and_old_digests_are_removed_at_the_next_start(tmp_path):
+    (tmp_path / "checkpoint-epoch0003.pt.tmp-12345").write_bytes(b"half a checkpoint")
+    (tmp_path / "weights-rank3.sha256").write_text("from a run with 4 processes")
+    (tmp_path / "notes.txt").write_text("not ours")
+    checkpoint.make_out_dir(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
+    from common import metrics
+
+    metrics.MetricsLog(str(tmp_path)).append({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5})
+    os.mkdir(tmp_path / metrics.PLOT)  # savefig cannot replace a folder: an OSError, as on a full disk
+    assert metrics.plot(str(tmp_path), "test") is None
+    assert "warning: could not draw" in capsys.readouterr().err
