@@ -8,12 +8,10 @@ averages the gradients with allreduce, and broadcasts copy rank 0's weights and 
     horovodrun -np 8 -H host1:4,host2:4 python 06_cifar10_horovod.py   # 2 machines x 4 (ssh, same paths)
 """
 import itertools
-import os
 import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
@@ -41,12 +39,10 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
     torch.manual_seed(args.seed)
-    rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-    horovod_support.share_cores(hvd)  # Horovod: horovodrun does not set OMP_NUM_THREADS (torchrun does)
+    rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()  # Horovod: from hvd.init()
     if torch.cuda.is_available():
         if args.local_rank >= torch.cuda.device_count():  # DDP: more processes than GPUs on this machine
             raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
-        horovod_support.check_gpu_build(hvd)  # Horovod: a CPU-only build cannot allreduce GPU tensors
         device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
@@ -56,7 +52,7 @@ def setup(args):
             print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
-    torch.multiprocessing.set_start_method("forkserver", force=True)  # Horovod: loader workers must not fork its threads
+    horovod_support.share_cores(hvd)  # Horovod: horovodrun does not set OMP_NUM_THREADS (torchrun does)
     return device, amp_dtype(args.amp, device), rank, world_size
 
 

@@ -9,8 +9,10 @@ from . import cli
 
 
 def load():
-    """horovod.torch, or one line saying how to build it. A rank that stops because another rank failed
-    (HorovodInternalError in a collective) then says so in one line instead of a traceback."""
+    """horovod.torch, or one line saying how to build it (or that it cannot use the GPU). A rank that stops because
+    another rank failed (HorovodInternalError in a collective) then says so in one line instead of a traceback.
+    DataLoader workers start from a forkserver: forked from this process they would inherit Horovod's threads (and,
+    with MPI over InfiniBand, memory registrations), which are not fork-safe; Horovod's examples do the same."""
     try:
         import horovod.torch as hvd
     except ImportError as error:
@@ -18,7 +20,10 @@ def load():
         raise cli.UserError(f"Horovod is not importable by {sys.executable} ({reason}): build it for this torch with "
                             f"`PYTHON={sys.executable} bash scripts/install_horovod.sh`, then run with that python") \
             from None
+    if torch.cuda.is_available():
+        check_gpu_build(hvd)
     cli.PEER_FAILURES.append(hvd.HorovodInternalError)
+    torch.multiprocessing.set_start_method("forkserver", force=True)
     return hvd
 
 
