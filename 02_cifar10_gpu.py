@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
-from common import checkpoint, data, metrics, models
+from common import checkpoint, data, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
@@ -76,14 +76,16 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum):
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
+                    stop, part):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
     passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
-               disable=not sys.stderr.isatty())
+    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
+    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
+               leave=False, disable=not sys.stderr.isatty())
     start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar):
+    for step, (images, labels) in enumerate(bar, first):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
@@ -100,10 +102,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
         totals[1] += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-    loss_sum, seen = totals.tolist()
-    seconds = time.perf_counter() - start
-    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-            "peak_memory_mb": metrics.peak_memory_mb(device)}
+        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
+            break
+    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -133,11 +134,11 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 def resume(args, model, optimizer, scheduler, scaler):
     state = checkpoint.find_resume(args.resume, args.out_dir, args.arch)  # None: start from scratch
     if state is None:
-        return 0, 0
+        return 0, 0, {}
     epoch, global_step = checkpoint.restore(state, model=model, optimizer=optimizer, scheduler=scheduler,
                                             scaler=scaler)
-    print(f"resumed from epoch {epoch} (written by {state['step']})")
-    return epoch, global_step
+    print(f"resumed from {checkpoint.describe(state)}")
+    return epoch, global_step, preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
 
 
 # ----------------------------------------------------------------------------- main
@@ -145,12 +146,13 @@ def resume(args, model, optimizer, scheduler, scaler):
 def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
+    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
     checkpoint.make_out_dir(args.out_dir)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
-    start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
@@ -160,18 +162,21 @@ def main(argv=None):
         sampler.generator.manual_seed(args.seed + epoch)
         train_loader.dataset.set_epoch(epoch)
         row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum)}
-        global_step += len(train_loader) // args.grad_accum
-        row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
+                                                 amp_dtype, memory_format, epoch, args.grad_accum, stop,
+                                                 part_done.get(epoch))}
+        global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
+        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+            row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
         print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
-        if args.stop_after and epoch - start_epoch >= args.stop_after and epoch < args.epochs:
-            print(f"stopping after {args.stop_after} epoch(s) as asked; continue with --resume auto")
+        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
+            print(stop.leave_line(args.stop_after))
             break
 
     metrics.plot(args.out_dir, f"{STEP} ({args.arch})")
     checkpoint.write_digest(args.out_dir, 0, model.state_dict())
+    return preempt.EXIT_REQUEUE if stop.stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from common import checkpoint, data, deepspeed_support, distributed, metrics, models
+from common import checkpoint, data, deepspeed_support, distributed, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
 from common.schedule import warmup_cosine
 
@@ -119,14 +119,15 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(engine, loader, device, memory_format, epoch, grad_accum):
+def train_one_epoch(engine, loader, device, memory_format, epoch, grad_accum, stop, part):
     engine.train()  # DeepSpeed: the engine is an nn.Module around the model
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
     passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
-               disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
+    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
+    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
+               leave=False, disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
     start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar):
+    for step, (images, labels) in enumerate(bar, first):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
@@ -138,11 +139,10 @@ def train_one_epoch(engine, loader, device, memory_format, epoch, grad_accum):
         totals[1] += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
+            break
     dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    loss_sum, seen = totals.tolist()
-    seconds = time.perf_counter() - start
-    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-            "peak_memory_mb": metrics.peak_memory_mb(device)}
+    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -166,8 +166,9 @@ def evaluate(engine, loader, device, memory_format):
 def save_checkpoint(args, epoch, global_step, engine, row, synthetic):
     # DeepSpeed: EVERY rank writes its shard of the engine state (exact resume); rank 0 then the common format.
     folder = os.path.join(args.out_dir, deepspeed_support.ENGINE_DIR)
-    engine.save_checkpoint(folder, tag=f"epoch{epoch:04d}",
-                           client_state={"epoch": epoch, "global_step": global_step, "rng": checkpoint.rng_states()})
+    engine.save_checkpoint(folder, tag=checkpoint.tag(epoch, row), client_state={
+        "step": STEP, "epoch": checkpoint.epochs_done(epoch, row), "global_step": global_step, "metrics": row,
+        "rng": checkpoint.rng_states()})
     model_state = deepspeed_support.export_weights(engine)  # DeepSpeed: a collective: every rank takes part
     if dist.get_rank() == 0:
         deepspeed_support.prune(folder)  # DeepSpeed: keep 3 engine checkpoints, like checkpoint-epoch*.pt
@@ -192,11 +193,11 @@ def resume(args, engine, start_epoch, steps_per_epoch):
     found = deepspeed_support.engine_checkpoint(args.resume, args.out_dir)
     if found is None:  # DeepSpeed: fresh, or weights only: the schedule goes to where that epoch ended
         checkpoint.place_schedule(engine.lr_scheduler, start_epoch * steps_per_epoch)
-        return start_epoch, start_epoch * steps_per_epoch
+        return start_epoch, start_epoch * steps_per_epoch, {}
     folder, client = deepspeed_support.load_engine(engine, found, args.resume, STEP)  # DeepSpeed: each rank its shard
     if dist.get_rank() == 0:
-        print(f"resumed from epoch {client['epoch']} (DeepSpeed checkpoint {folder})")
-    return client["epoch"], client["global_step"]
+        print(f"resumed from {checkpoint.describe(client)}, DeepSpeed checkpoint {folder}")
+    return client["epoch"], client["global_step"], preempt.part_done(client)
 
 
 # ----------------------------------------------------------------------------- main
@@ -206,13 +207,14 @@ def main(argv=None):
     if "RANK" not in os.environ:  # DDP: no launcher: a group of one (DeepSpeed: start more with deepspeed or torchrun)
         return distributed.without_launcher(main, argv)
     device, amp_dtype, rank, world_size = setup(args)
+    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
     checkpoint.make_out_dir(args.out_dir)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
     start_epoch = load_weights(args, model)  # DeepSpeed: weights of a checkpoint-epochNNNN.pt, before the engine
     engine = build_optimizer(args, model, len(train_loader) // args.grad_accum, amp_dtype)
-    start_epoch, global_step = resume(args, engine, start_epoch, len(train_loader) // args.grad_accum)
+    start_epoch, global_step, part_done = resume(args, engine, start_epoch, len(train_loader) // args.grad_accum)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
     if args.compile:
         engine.compile()  # DeepSpeed: compiles the module inside the engine; the checkpoints do not change
@@ -224,18 +226,20 @@ def main(argv=None):
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
         train_loader.dataset.set_epoch(epoch)
-        row = {"epoch": epoch, **train_one_epoch(engine, train_loader, device, memory_format, epoch, args.grad_accum)}
-        global_step += len(train_loader) // args.grad_accum
+        row = {"epoch": epoch, **train_one_epoch(engine, train_loader, device, memory_format, epoch, args.grad_accum,
+                                                 stop, part_done.get(epoch))}
+        global_step = engine.lr_scheduler.last_epoch  # optimizer steps so far (DeepSpeed: the engine's schedule)
         for buffer in engine.module.buffers():  # DeepSpeed: never synced by the engine (DDP does): take rank 0's
             dist.broadcast(buffer, 0)
-        row.update(evaluate(engine, test_loader, device, memory_format))
+        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+            row.update(evaluate(engine, test_loader, device, memory_format))
         save_checkpoint(args, epoch, global_step, engine, row, synthetic)  # DeepSpeed: on every rank
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if args.stop_after and epoch - start_epoch >= args.stop_after and epoch < args.epochs:
+        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
             if rank == 0:
-                print(f"stopping after {args.stop_after} epoch(s) as asked; continue with --resume auto")
+                print(stop.leave_line(args.stop_after))
             break
 
     if rank == 0:
@@ -244,7 +248,8 @@ def main(argv=None):
     del engine, model  # DeepSpeed: as in 04 (under ZeRO 1-3 autograd hooks would also keep the engine alive)
     gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
+    return preempt.EXIT_REQUEUE if stop.stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from common import apex_support, checkpoint, data, distributed, metrics, models
+from common import apex_support, checkpoint, data, distributed, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
 from common.schedule import warmup_cosine
 
@@ -121,14 +121,15 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex, fused
 
 # ----------------------------------------------------------------------------- train one epoch
 def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
-                    apex):
+                    apex, stop, part):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
     passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
-               disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
+    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
+    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
+               leave=False, disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
     start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar):
+    for step, (images, labels) in enumerate(bar, first):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
@@ -153,11 +154,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
         totals[1] += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
+            break
     dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    loss_sum, seen = totals.tolist()
-    seconds = time.perf_counter() - start
-    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-            "peak_memory_mb": metrics.peak_memory_mb(device)}
+    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -191,13 +191,13 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 def resume(args, model, optimizer, scheduler, scaler):
     state = checkpoint.find_resume(args.resume, args.out_dir, args.arch, verbose=dist.get_rank() == 0)
     if state is None:
-        return 0, 0
+        return 0, 0, {}
     state = apex_support.fit_scaler_state(state, scaler)  # Apex: GradScaler and apex.amp states do not mix
     epoch, global_step = checkpoint.restore(state, model=model.module, optimizer=optimizer, scheduler=scheduler,
                                             scaler=scaler)
     if dist.get_rank() == 0:  # DDP: every rank read the same file; one of them says so
-        print(f"resumed from epoch {epoch} (written by {state['step']})")
-    return epoch, global_step
+        print(f"resumed from {checkpoint.describe(state)}")
+    return epoch, global_step, preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
 
 
 # ----------------------------------------------------------------------------- main
@@ -207,13 +207,14 @@ def main(argv=None):
     if "RANK" not in os.environ:  # DDP: no launcher: start --spawn N processes here (mp.spawn), or be a group of one
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size, apex, fused_sgd = setup(args)
+    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
     checkpoint.make_out_dir(args.out_dir)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, apex)
     model, optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device,
                                                           amp_dtype, apex, fused_sgd)  # Apex: wraps the model late
-    start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
@@ -226,16 +227,18 @@ def main(argv=None):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
         train_loader.dataset.set_epoch(epoch)
         row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum, apex)}
-        global_step += len(train_loader) // args.grad_accum
-        row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
+                                                 amp_dtype, memory_format, epoch, args.grad_accum, apex, stop,
+                                                 part_done.get(epoch))}
+        global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
+        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+            row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         if rank == 0:  # DDP: one writer; the others would race on the same files
             save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if args.stop_after and epoch - start_epoch >= args.stop_after and epoch < args.epochs:
+        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
             if rank == 0:
-                print(f"stopping after {args.stop_after} epoch(s) as asked; continue with --resume auto")
+                print(stop.leave_line(args.stop_after))
             break
 
     if rank == 0:
@@ -244,7 +247,8 @@ def main(argv=None):
     del model, train_model  # DDP: free the wrapper now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
     gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
+    return preempt.EXIT_REQUEUE if stop.stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from common import checkpoint, data, distributed, fsdp_support, metrics, models
+from common import checkpoint, data, distributed, fsdp_support, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
 from common.schedule import warmup_cosine
 
@@ -114,14 +114,16 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum):
+def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
+                    stop, part):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
     passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    bar = tqdm(itertools.islice(loader, passes), total=passes, desc=f"epoch {epoch}", leave=False,
-               disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
+    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
+    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
+               leave=False, disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
     start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar):
+    for step, (images, labels) in enumerate(bar, first):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
@@ -139,11 +141,10 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
         totals[1] += len(labels)
         if not bar.disable and step % LOG_EVERY == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
+            break
     dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    loss_sum, seen = totals.tolist()
-    seconds = time.perf_counter() - start
-    return {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-            "peak_memory_mb": metrics.peak_memory_mb(device)}
+    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -168,9 +169,9 @@ def evaluate(model, loader, device, amp_dtype, memory_format):
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic):
     # FSDP: on EVERY rank: its shards into a DCP checkpoint (exact resume on any number of processes), then the
     # whole model and optimizer state gathered for rank 0's checkpoint-epochNNNN.pt, the format of 01-07.
-    fsdp_support.save_sharded(args.out_dir, epoch, model, optimizer, {
-        "step": STEP, "epoch": epoch, "global_step": global_step, "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(), "rng": checkpoint.rng_states()})
+    fsdp_support.save_sharded(args.out_dir, checkpoint.tag(epoch, row), model, optimizer, {
+        "step": STEP, "epoch": checkpoint.epochs_done(epoch, row), "global_step": global_step, "metrics": row,
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": checkpoint.rng_states()})
     model_state, optimizer_state = fsdp_support.full_state(model, optimizer)
     if dist.get_rank() == 0:
         return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
@@ -186,13 +187,13 @@ def resume(args, model, optimizer, scheduler, scaler):
     state = fsdp_support.load_sharded(sharded, model, optimizer) if sharded else \
         checkpoint.find_resume(args.resume, args.out_dir, args.arch, verbose=dist.get_rank() == 0)
     if state is None:
-        return 0, 0
+        return 0, 0, {}
     if not sharded:
         fsdp_support.load_full(model, optimizer, state)  # FSDP: whole tensors in, this rank keeps its shards
     epoch, global_step = checkpoint.restore(state, model=None, scheduler=scheduler, scaler=scaler)
     if dist.get_rank() == 0:  # DDP: every rank read the same file; one of them says so
-        print(f"resumed from epoch {epoch} (written by {state['step']}{', sharded' if sharded else ''})")
-    return epoch, global_step
+        print(f"resumed from {checkpoint.describe(state)}{', sharded' if sharded else ''}")
+    return epoch, global_step, preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
 
 
 # ----------------------------------------------------------------------------- main
@@ -202,13 +203,14 @@ def main(argv=None):
     if "RANK" not in os.environ:  # DDP: no launcher: start --spawn N processes here (mp.spawn), or be a group of one
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size = setup(args)
+    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
     checkpoint.make_out_dir(args.out_dir)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, amp_dtype)
     amp_dtype = None if device.type == "cuda" and amp_dtype == torch.bfloat16 else amp_dtype  # FSDP: the policy casts
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
-    start_epoch, global_step = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
@@ -219,16 +221,18 @@ def main(argv=None):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
         train_loader.dataset.set_epoch(epoch)
         row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum)}
-        global_step += len(train_loader) // args.grad_accum
-        row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
+                                                 amp_dtype, memory_format, epoch, args.grad_accum, stop,
+                                                 part_done.get(epoch))}
+        global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
+        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+            row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)  # FSDP: all ranks
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if args.stop_after and epoch - start_epoch >= args.stop_after and epoch < args.epochs:
+        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
             if rank == 0:
-                print(f"stopping after {args.stop_after} epoch(s) as asked; continue with --resume auto")
+                print(stop.leave_line(args.stop_after))
             break
 
     if rank == 0:
@@ -237,7 +241,8 @@ def main(argv=None):
     del model, train_model  # DDP: free the wrapper now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
     gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
+    return preempt.EXIT_REQUEUE if stop.stopped else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

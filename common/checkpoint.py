@@ -11,13 +11,16 @@ run code is refused):
     scheduler    LR scheduler state_dict, or None
     scaler       torch.amp.GradScaler state_dict, or None
     epoch        epochs completed
-    global_step  optimizer steps taken
+    global_step  optimizer steps taken (also those of a part-way epoch)
     rng          {"torch": CPU generator state, "cuda": list of per-GPU states or None}
     args         the run's arguments (a dict of plain values)
-    metrics      the metrics.jsonl row of that epoch
+    metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (a
+                 preemption signal, see preempt.py) the training half of the row so far, with
+                 "partial": True, "steps" done and "of_steps" per epoch
     synthetic    True when trained on common.synthetic data
 
-Files are `checkpoint-epochNNNN.pt` in --out-dir. A save writes a temporary file, flushes it to
+Files are `checkpoint-epochNNNN.pt` in --out-dir (NNNN epochs done), and `checkpoint-epochNNNN-stepSSSSSS.pt`
+for a run stopped SSSSSS optimizer steps into the epoch after those; only the newest of those is kept. A save writes a temporary file, flushes it to
 disk and renames it into place, so a crash (even SIGKILL during the save) never leaves a
 truncated file under a checkpoint name: the previous one stays the newest complete checkpoint.
 """
@@ -33,11 +36,22 @@ import torch
 from .cli import UserError
 
 FORMAT = "cifar10-parallel/1"
-PATTERN = re.compile(r"checkpoint-epoch(\d{4,})\.pt$")
+PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
-def checkpoint_path(out_dir, epoch):
-    return os.path.join(out_dir, f"checkpoint-epoch{epoch:04d}.pt")
+def epochs_done(epoch, row):
+    """Epochs completed when epoch `epoch` ended with metrics `row` (one fewer if it stopped part-way)."""
+    return epoch - 1 if (row or {}).get("partial") else epoch
+
+
+def tag(epoch, row=None):
+    """epochNNNN, or epochNNNN-stepSSSSSS for a part-way epoch: names that sort in training order."""
+    done = epochs_done(epoch, row)
+    return f"epoch{done:04d}" + (f"-step{row['steps']:06d}" if done < epoch else "")
+
+
+def checkpoint_path(out_dir, epoch, row=None):
+    return os.path.join(out_dir, f"checkpoint-{tag(epoch, row)}.pt")
 
 
 def rng_states():
@@ -67,35 +81,42 @@ def atomic_save(obj, path):
 
 def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
          scaler=None, args=None, metrics=None, synthetic=False, keep=3):
-    """Write checkpoint-epochNNNN.pt atomically; keep the newest `keep` of them. Returns the path."""
+    """Write checkpoint-epochNNNN.pt (or -stepSSSSSS.pt for a part-way epoch) atomically; keep the newest `keep`
+    of them, and of the part-way ones only the newest file. Returns the path."""
     state = {
         "format": FORMAT, "step": step, "arch": arch,
         "model": model_state,
         "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # an optimizer, or its state (or None)
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "epoch": epoch, "global_step": global_step, "rng": rng_states(),
+        "epoch": epochs_done(epoch, metrics), "global_step": global_step, "rng": rng_states(),
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         if args is not None else {},
         "metrics": metrics or {}, "synthetic": bool(synthetic),
     }
-    path = checkpoint_path(out_dir, epoch)
+    path = checkpoint_path(out_dir, epoch, metrics)
     try:
         atomic_save(state, path)
     except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
         reason = error.strerror if isinstance(error, OSError) and error.strerror else "the write failed: disk full?"
         raise UserError(f"cannot write checkpoint {path} ({reason}); the previous checkpoints "
                         "are untouched: free disk space or pick a writable --out-dir, then --resume auto") from None
-    for old in list_checkpoints(out_dir)[keep:]:
+    for old in superseded(list_checkpoints(out_dir), keep):
         os.remove(old)
     return path
 
 
+def superseded(newest_first, keep=3):
+    """The checkpoints (names or paths, newest first) to delete: all but the newest `keep`, and every part-way one
+    (-stepSSSSSS) that is not the newest (a later one continues further)."""
+    return newest_first[keep:] + [name for name in newest_first[1:keep] if "-step" in os.path.basename(name)]
+
+
 def list_checkpoints(out_dir):
-    """Checkpoint files in out_dir, newest epoch first."""
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(out_dir, "checkpoint-epoch*.pt"))
+    """Checkpoint files in out_dir, newest first (a part-way checkpoint after the epochs it completed)."""
+    found = [(int(m.group(1)), int(m.group(2) or 0), p) for p in glob.glob(os.path.join(out_dir, "checkpoint-epoch*.pt"))
              if (m := PATTERN.search(os.path.basename(p)))]
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, _, p in sorted(found, reverse=True)]
 
 
 def load(path, arch=None):
@@ -143,6 +164,14 @@ def find_resume(resume, out_dir, arch, verbose=True):
     if verbose:
         print(f"no checkpoint in {out_dir}: starting from scratch")
     return None
+
+
+def describe(state):
+    """'epoch 3 (written by X)', or 'step 150 of 390 in epoch 4 (written by X)' for a part-way checkpoint."""
+    row = state.get("metrics") or {}
+    where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}" if row.get("partial")
+             else f"epoch {state['epoch']}")
+    return f"{where} (written by {state.get('step', 'an earlier run')})"
 
 
 def place_schedule(scheduler, step):

@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from .checkpoint import superseded
 from .cli import UserError
 
 VERSION = "0.19.8"  # as pinned in requirements.txt
@@ -92,8 +93,9 @@ def export_weights(engine):
 
 
 def prune(folder, keep=3):
-    """Keep the newest `keep` epoch folders of the engine's checkpoints, like checkpoint-epoch*.pt."""
-    for old in sorted(name for name in os.listdir(folder) if name.startswith("epoch"))[:-keep]:
+    """Keep the newest `keep` epoch folders of the engine's checkpoints, and of the part-way ones (epochNNNN-stepSSSSSS)
+    only the newest folder, like checkpoint-epoch*.pt. Tags sort in training order."""
+    for old in superseded(sorted((name for name in os.listdir(folder) if name.startswith("epoch")), reverse=True), keep):
         shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
 
 

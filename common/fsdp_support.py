@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 
+from .checkpoint import superseded
+
 DCP_DIR = "dcp"  # the sharded checkpoints, a folder in --out-dir
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 SCATTER = StateDictOptions(full_state_dict=True)  # whole tensors in, this rank's shards kept
@@ -62,13 +64,10 @@ def eval_batch_size(test_images, world_size, most=512):
     return -(-shard // batches)
 
 
-def sharded_path(out_dir, epoch):
-    return os.path.join(out_dir, DCP_DIR, f"epoch{epoch:04d}")
-
-
-def save_sharded(out_dir, epoch, model, optimizer, extra, keep=3):
-    """dcp.save of this rank's shards of model and optimizer, plus `extra` (any picklable dict), atomically."""
-    final = sharded_path(out_dir, epoch)
+def save_sharded(out_dir, tag, model, optimizer, extra, keep=3):
+    """dcp.save of this rank's shards of model and optimizer, plus `extra` (any picklable dict), atomically, into
+    folder `tag` (checkpoint.tag: epochNNNN or epochNNNN-stepSSSSSS); old ones go as checkpoint.superseded says."""
+    final = os.path.join(out_dir, DCP_DIR, tag)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save
@@ -80,7 +79,7 @@ def save_sharded(out_dir, epoch, model, optimizer, extra, keep=3):
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         folder = os.path.dirname(final)
-        for old in sorted(n for n in os.listdir(folder) if not n.endswith(".tmp"))[:-keep]:
+        for old in superseded(sorted((n for n in os.listdir(folder) if not n.endswith(".tmp")), reverse=True), keep):
             shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
     dist.barrier()
 

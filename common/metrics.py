@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 FILE = "metrics.jsonl"
 PLOT = "training_curves.png"
@@ -22,9 +23,11 @@ class MetricsLog:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def append(self, row):
+        """Write a finished epoch's row; a part-way epoch's row (saved in its checkpoint instead) is not written."""
         row = {**row, "synthetic": self.synthetic}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if not row.get("partial"):
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         return row
 
 
@@ -50,8 +53,25 @@ def start_line(step, args, device, precision, train_loader, synthetic, processes
             f"{steps} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))
 
 
+def train_row(totals, start, steps, of_steps, device, part=None):
+    """The training half of an epoch's row from totals = (loss sum, images) and the perf_counter() at its start.
+    steps: optimizer steps done of this epoch's of_steps (fewer: it stopped part-way, "partial"). part: the row
+    a stopped run saved for the start of this epoch, merged in (so the epoch's loss covers all of it)."""
+    part = part or {}
+    loss_sum, seen = totals.tolist()
+    loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
+    seconds = time.perf_counter() - start + part.get("epoch_seconds", 0.0)
+    row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+           "peak_memory_mb": max(peak_memory_mb(device), part.get("peak_memory_mb", 0.0)), "steps": steps,
+           "images": int(seen)}
+    return {**row, "partial": True, "of_steps": of_steps} if steps < of_steps else row
+
+
 def epoch_line(row, epochs):
     tag = "  [SYNTHETIC DATA]" if row.get("synthetic") else ""
+    if row.get("partial"):
+        return (f"epoch {row['epoch']:>3}/{epochs}  stopped after step {row['steps']}/{row['of_steps']}  "
+                f"train_loss so far {row['train_loss']:.4f}  (saved; no evaluation){tag}")
     return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "
             f"test_loss {row['test_loss']:.4f}  test_acc {100 * row['test_acc']:.2f}%  "
             f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s{tag}")

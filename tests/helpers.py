@@ -199,7 +199,7 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     train_loader, test_loader, _ = step01["build_data"](args)
     model = step01["build_model"](args, cpu)
     optimizer, scheduler, scaler = step01["build_optimizer"](args, model, len(train_loader), cpu, None)
-    epoch, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
+    epoch, _, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
     assert epoch == logged["epoch"]
     evaluated = step01["evaluate"](model, test_loader, cpu, None, torch.contiguous_format)
     assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)

@@ -84,7 +84,8 @@ def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
     first = deepspeed(2, *common, "--stop-after", "1")
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
     second = deepspeed(2, *common, "--resume", "auto")
-    assert f"resumed from epoch 1 (DeepSpeed checkpoint {tmp_path / 'ds_checkpoints' / 'epoch0001'})" in second.output
+    assert (f"resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint "
+            f"{tmp_path / 'ds_checkpoints' / 'epoch0001'}") in second.output
     assert losses(tmp_path) == losses(run05[0]), "the resumed run must log the uninterrupted run's losses"
     assert digests(tmp_path) == digests(run05[0]), "and end with bit-identical weights"
 

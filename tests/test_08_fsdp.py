@@ -45,7 +45,7 @@ def test_sharded_resume_is_bit_exact(run08, data, tmp_path):
     common = [*data, *EPOCHS, *DDP_ARGS, "--out-dir", tmp_path]
     torchrun(2, 8, *common, "--stop-after", "1")
     proc = torchrun(2, 8, *common, "--resume", "auto")
-    assert "resumed from epoch 1 (written by 08_cifar10_fsdp, sharded)" in proc.output
+    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output
     assert digests(tmp_path) == digests(run08[0])
 
 
@@ -55,10 +55,10 @@ def test_sharded_checkpoint_resumes_on_one_process_and_back_on_two(run08, data, 
     one = epoch1_only(run08[0], tmp_path / "one")
     proc = run([PYTHON, script(8), *data, "--epochs", "2", "--batch-size", "64", "--amp", "off", "--out-dir", one,
                 "--resume", "auto"])
-    assert "resumed from epoch 1 (written by 08_cifar10_fsdp, sharded)" in proc.output
+    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output
     epoch_close(metrics(run08[0])[1], metrics(one)[-1])
     proc = torchrun(2, 8, *data, "--epochs", "3", *DDP_ARGS, "--out-dir", one, "--resume", "auto")
-    assert "resumed from epoch 2 (written by 08_cifar10_fsdp, sharded)" in proc.output
+    assert "resumed from epoch 2 (written by 08_cifar10_fsdp), sharded" in proc.output
     assert [row["epoch"] for row in metrics(one)] == [2, 3] and metrics(one)[-1]["test_acc"] >= 0.5
 
 

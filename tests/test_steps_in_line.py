@@ -27,11 +27,11 @@ PAIRS = [
     ("02_cifar10_gpu.py", "03_cifar10_dataparallel.py", "DataParallel:", 40),
     ("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:", 120),
     ("04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "DeepSpeed:", 180),
-    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:", 120),
+    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:", 130),
     ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:", 120),
     ("04_cifar10_ddp.py", "08_cifar10_fsdp.py", "FSDP:", 120),
 ]
-MAX_LINES, MAX_LINES_01 = 250, 170
+MAX_LINES, MAX_LINES_01 = 260, 180
 SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
             "train one epoch", "evaluate", "checkpoint", "main"]
 CONTEXT = 3  # logical lines around a block in which its marker may sit
@@ -141,7 +141,7 @@ def test_same_sections_in_the_same_order(path):
     source = (REPO / path).read_text()
     found = re.findall(r"^# -{20,} (.+)$", source, flags=re.M)
     assert found == SECTIONS, found
-    assert source.rstrip().endswith('if __name__ == "__main__":\n    main()')
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    sys.exit(main())')  # exit 75 after a stop signal
 
 
 def test_the_budget_check_can_fail():

@@ -1,0 +1,84 @@
+"""Preemption: SIGTERM (or SIGUSR1) to a whole job, as Slurm sends it, ends every step after the current optimizer
+step with a checkpoint and exit status 75; `--resume auto` then finishes with weights bit-identical to an
+uninterrupted run.
+
+The signal goes to the launcher's whole process group (launcher, every rank and their DataLoader workers), which is
+what Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
+epoch (small batches: 80 steps per rank or more), and the test demands a part-way checkpoint.
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import digests, launch_command, load_checkpoint, metrics, run, start
+
+# (step, launcher, processes): the issue asks for 01, 04 and 05 at least; 06 and 08 have their own collectives.
+CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2), (8, "torchrun", 2)]
+SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]  # 160 (80 per rank) steps/epoch
+
+
+def command(number, launcher, nproc, data, out, *extra):
+    return [*launch_command(launcher, nproc, number), *data, *SETUP, "--out-dir", out, *extra]
+
+
+class Output:
+    """Reads a started job's output in a thread, so that the test can wait for a line without blocking on it."""
+
+    def __init__(self, job):
+        self.lines, self.job = [], job
+        self.thread = threading.Thread(target=lambda: self.lines.extend(iter(job.stdout.readline, "")), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, needle, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines):
+            assert self.job.poll() is None and time.monotonic() < deadline, f"no {needle!r}:\n{self.text()}"
+            time.sleep(0.02)
+
+    def text(self):
+        return "".join(self.lines)
+
+
+@pytest.mark.parametrize("number,launcher,nproc", CASES, ids=[f"{n:02d}-{la}" for n, la, _ in CASES])
+def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data, number, launcher, nproc):
+    if number == 6:
+        pytest.importorskip("horovod.torch", reason="Horovod not built (scripts/install_horovod.sh)")
+    reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    run(command(number, launcher, nproc, data, reference))
+
+    job = start(command(number, launcher, nproc, data, stopped))
+    output = Output(job)
+    output.wait_for("steps/epoch")  # the start line: every rank catches the signals by now
+    sig = signal.SIGUSR1 if number == 1 else signal.SIGTERM  # `#SBATCH --signal=USR1@120`; scancel, preemption
+    os.killpg(job.pid, sig)  # like Slurm: every process of the job step
+    try:
+        job.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise AssertionError(f"the job did not end within 120 s of the signal:\n{output.text()}")
+    output.thread.join(10)
+    text = output.text()
+    assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text  # launchers: their own code
+    assert "Traceback" not in text.split("stopped after step")[0], text
+    assert "stopped after step" in text, text
+    part_way = sorted(stopped.glob("checkpoint-epoch0000-step*.pt"))
+    assert len(part_way) == 1, (sorted(p.name for p in stopped.iterdir()), text)
+    state = load_checkpoint(part_way[0])
+    row = state["metrics"]
+    assert state["epoch"] == 0 and row["partial"] and row["epoch"] == 1 and 0 < row["steps"] < row["of_steps"]
+    assert state["global_step"] == row["steps"]
+    assert metrics(stopped) == [], "metrics.jsonl holds finished epochs only"
+
+    resumed = run(command(number, launcher, nproc, data, stopped, "--resume", "auto"))
+    assert f"step {row['steps']} of {row['of_steps']} in epoch 1" in resumed.output, resumed.output
+    assert digests(stopped) == digests(reference) and len(set(digests(reference).values())) == 1
+    (got,), (want,) = metrics(stopped), metrics(reference)
+    assert got["test_acc"] == want["test_acc"] and got["test_loss"] == want["test_loss"]
+    assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)  # the epoch's loss sums both parts
+    assert got["images"] == want["images"] == 1280
+    assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), "a finished epoch supersedes the part-way one"
