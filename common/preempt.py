@@ -10,9 +10,10 @@ requeue the job; `--resume auto` continues it exactly where it stopped.
 Processes started after Stop() (DataLoader workers above all) inherit the two signals blocked: Slurm signals every
 process of the job step, and a worker that died of it would take the training process down with it.
 """
-import os
+import multiprocessing
 import signal
 import threading
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -29,6 +30,8 @@ class Stop:
         self.stopped = False  # the ranks agreed to stop
         for sig in SIGNALS:  # threads started before now may take a signal: Python runs this handler for them
             signal.signal(sig, lambda signum, frame: self._note(signum))
+        if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):  # spawn, forkserver (step 06)
+            resource_tracker.ensure_running()  # it unblocks SIGTERM when it starts: start it before the block below
         # This thread blocks them (inherited by threads and processes it starts); one thread of ours waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=self._wait, daemon=True, name="stop-signals").start()
@@ -69,13 +72,8 @@ def part_done(state):
 
 def first_pass(part, passes, grad_accum):
     """Where a part-way epoch continues: after the passes the stopped run did. A run with another number of steps
-    per epoch (batch size, processes) continues after the same fraction of the epoch."""
+    per epoch (batch size, processes) continues after the same fraction of the epoch (checkpoint.by_progress)."""
     if not part:
         return 0
-    steps, of_steps = part["steps"], part["of_steps"]
-    if of_steps != passes // grad_accum:
-        steps = min(round(steps * passes // grad_accum / of_steps), passes // grad_accum - 1)
-        if os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == "0":
-            print(f"note: the checkpoint stopped at step {part['steps']} of {of_steps}; this run has "
-                  f"{passes // grad_accum} steps per epoch and continues epoch {part['epoch']} at step {steps}")
-    return steps * grad_accum
+    steps_now = passes // grad_accum
+    return min(round(part["steps"] * steps_now / part["of_steps"]), steps_now - 1) * grad_accum

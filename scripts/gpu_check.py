@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -543,10 +544,11 @@ class Check:
             self.device, memory_format=memory_format), torch.randint(0, 10, (a.batch_size,)).to(self.device))
                    for _ in range(4)]
         loader = [batches[i % len(batches)] for i in range(steps)]
+        never = types.SimpleNamespace(requested=lambda: False)  # no stop signal to wait for (common/preempt.py)
         s02["train_one_epoch"](model, loader[:max(2, steps // 4)], optimizer, scheduler, scaler, self.device, dtype,
-                               memory_format, 1, 1)  # warm-up: cuDNN's algorithm search, the allocator
+                               memory_format, 1, 1, never, None)  # warm-up: cuDNN's algorithm search, the allocator
         rate = max(s02["train_one_epoch"](model, loader, optimizer, scheduler, scaler, self.device, dtype,
-                                          memory_format, 1, 1)["images_per_sec"] for _ in range(3))
+                                          memory_format, 1, 1, never, None)["images_per_sec"] for _ in range(3))
         return rate
 
     def loader_rate(self):

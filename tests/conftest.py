@@ -1,4 +1,6 @@
 """Fixtures: a small synthetic CIFAR-10 in the real on-disk format (see helpers.py)."""
+import signal
+
 import pytest
 
 from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, run, script, torchrun
@@ -34,3 +36,14 @@ def run04(tmp_path_factory, data):
     out = tmp_path_factory.mktemp("run04")
     proc = torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out)
     return out, proc.output
+
+
+@pytest.fixture(autouse=True)
+def default_stop_signals():
+    """A test that runs a step's main() in this process leaves SIGTERM/SIGUSR1 caught and blocked (common/preempt.py),
+    which every process started later would inherit: undo it after each test."""
+    yield
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGUSR1))
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+

@@ -2,10 +2,11 @@
 step with a checkpoint and exit status 75; `--resume auto` then finishes with weights bit-identical to an
 uninterrupted run.
 
-The signal goes to the launcher's whole process group (launcher, every rank and their DataLoader workers), which is
-what Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
+The signal goes to every process of the job (the launcher, every rank and their DataLoader workers), which is what
+Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
 epoch (small batches: 80 steps per rank or more), and the test demands a part-way checkpoint.
 """
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,12 +14,15 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import digests, launch_command, load_checkpoint, metrics, run, start
 
-# (step, launcher, processes): the issue asks for 01, 04 and 05 at least; 06 and 08 have their own collectives.
-CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2), (8, "torchrun", 2)]
+# (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
+# every rank, under its own launcher) and 06 (its own collectives, under horovodrun). 02, 03, 07 and 08 run 01's
+# and 04's code for this; tests/test_slurm.py repeats 04 under a real Slurm.
+CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2)]
 SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]  # 160 (80 per rank) steps/epoch
 
 
@@ -55,7 +59,10 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     output = Output(job)
     output.wait_for("steps/epoch")  # the start line: every rank catches the signals by now
     sig = signal.SIGUSR1 if number == 1 else signal.SIGTERM  # `#SBATCH --signal=USR1@120`; scancel, preemption
-    os.killpg(job.pid, sig)  # like Slurm: every process of the job step
+    top = psutil.Process(job.pid)
+    for process in [*top.children(recursive=True), top]:  # like Slurm: every process of the job step
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
     try:
         job.wait(timeout=120)
     except subprocess.TimeoutExpired:

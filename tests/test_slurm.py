@@ -55,8 +55,10 @@ def submit(cluster, script, log, data, out, *sbatch_options, wait=True):
     return proc.stdout.strip().split(";")[0]
 
 
-def job_field(cluster, job, field):
-    return re.search(rf"\b{field}=(\S+)", slurm(cluster, "scontrol", "show", "job", job).stdout).group(1)
+def job_state(cluster, job):
+    """{JobState, Restarts, Reason} of a job; {} once Slurm has forgotten it (MinJobAge after it ended)."""
+    shown = slurm(cluster, "scontrol", "show", "job", job, check=False).stdout
+    return dict(re.findall(r"\b(JobState|Restarts|Reason)=(\S+)", shown))
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +89,9 @@ def test_a_job_near_its_time_limit_checkpoints_requeues_and_ends_exactly(cluster
         time.sleep(0.1)
     slurm(cluster, "scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@120 sends at the time
     released = False
-    while job_field(cluster, job, "JobState") != "COMPLETED" or job_field(cluster, job, "Restarts") != "1":
-        assert time.monotonic() < deadline + 180, slurm(cluster, "scontrol", "show", "job", job).stdout + \
-            log.read_text()
-        if not released and job_field(cluster, job, "Reason") == "BeginTime":  # requeued: Slurm holds it ~2 min
+    while (state := job_state(cluster, job)) and (state["JobState"] != "COMPLETED" or state["Restarts"] != "1"):
+        assert time.monotonic() < deadline + 180, f"{state}\n{log.read_text()}"
+        if not released and state["Reason"] == "BeginTime":  # requeued: Slurm holds it ~2 min before it may start
             released = not slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now").returncode
         time.sleep(0.5)
     assert released, "the job was not requeued (it never waited to begin again)"
