@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from common import checkpoint, data, deepspeed_support, distributed, metrics, models, preempt
-from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
+from common.cli import UserError, amp_dtype, brief, exits_cleanly, positive_int, shared_parser
 from common.schedule import warmup_cosine
 
 STEP = "05_cifar10_deepspeed"
@@ -109,12 +109,12 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype):
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     deepspeed_support.set_precision(config, amp_dtype)  # DeepSpeed: 16-bit weights + fp32 masters, not autocast
     # DeepSpeed: builds SGD from the config, steps our schedule; owns precision, gradient averaging, clipping, ZeRO.
-    schedule = warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch)
+    schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
     except (AssertionError, ValueError) as error:  # a config DeepSpeed refuses, in one line
-        raise UserError(f"deepspeed.initialize refused the config: {' '.join(str(error).split())[:300]}") from None
+        raise UserError(f"deepspeed.initialize refused the config: {brief(error, 300)}") from None
     return engine
 
 
@@ -208,7 +208,7 @@ def main(argv=None):
         return distributed.without_launcher(main, argv)
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir)
+    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)

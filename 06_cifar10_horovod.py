@@ -93,8 +93,7 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=args.grad_accum,
         compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
     return optimizer, scheduler, scaler
 
@@ -189,7 +188,7 @@ def main(argv=None):
     hvd.init()  # Horovod: connects to the processes horovodrun started (plain python: a group of one); no process group
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop(agree=lambda flag: hvd.allreduce(flag, op=hvd.Max))  # Horovod: ranks agree to stop
-    checkpoint.make_out_dir(args.out_dir)
+    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)

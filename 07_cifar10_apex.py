@@ -112,8 +112,7 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex, fused
         # Apex: the legacy API patches model and optimizer in place (see --opt-level); then apex's DDP wraps the model.
         model, optimizer = apex.amp.initialize(model, optimizer, opt_level=args.opt_level)
         model = apex.parallel.DistributedDataParallel(model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
     # Apex: on the legacy path apex.amp owns the loss scale; its state_dict()/load_state_dict() fill the "scaler" slot.
     scaler = apex.amp if apex else torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     return model, optimizer, scheduler, scaler
@@ -208,7 +207,7 @@ def main(argv=None):
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size, apex, fused_sgd = setup(args)
     stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir)
+    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, apex)

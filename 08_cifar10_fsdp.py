@@ -107,8 +107,7 @@ def build_model(args, device, amp_dtype):
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(args.epochs * steps_per_epoch, WARMUP_EPOCHS * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
     return optimizer, scheduler, scaler
 
@@ -204,7 +203,7 @@ def main(argv=None):
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir)
+    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, amp_dtype)

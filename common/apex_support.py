@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .cli import UserError
+from .cli import UserError, brief
 
 
 def find_apex(device):
@@ -33,7 +33,7 @@ def find_apex(device):
         import apex.amp
         import apex.parallel
     except Exception as error:  # e.g. an old Apex that still imports torch._six, which torch 2.0 removed
-        return None, fused_sgd, f"NVIDIA Apex does not import ({type(error).__name__}: {str(error)[:120]})"
+        return None, fused_sgd, f"NVIDIA Apex does not import ({type(error).__name__}: {brief(error, 120)})"
     if device.type != "cuda":
         return None, fused_sgd, "apex.amp is installed but needs a CUDA GPU, and none was found"
     return apex, fused_sgd, None

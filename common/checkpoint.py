@@ -29,13 +29,15 @@ import glob
 import os
 import pickle
 import re
+import shutil
 import sys
 
 import torch
 
-from .cli import UserError
+from .cli import UserError, brief, rank
 
 FORMAT = "cifar10-parallel/1"
+ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
@@ -138,7 +140,7 @@ def load(path, arch=None):
         raise UserError(f"refusing to load {path}: it would run code ({unsafe.group(1)}), which "
                         "torch.load(weights_only=True) does not allow; it is not a checkpoint of this collection") from None
     except Exception as error:  # truncated zip, not a torch file at all, unreadable
-        raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {str(error)[:160]}); "
+        raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {brief(error, 160)}); "
                         "it may be truncated or corrupt: resume from an older checkpoint-epoch*.pt") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a checkpoint of this collection (expected format {FORMAT!r}); "
@@ -156,10 +158,14 @@ def find_resume(resume, out_dir, arch, verbose=True):
         return None
     if resume != "auto":
         return load(resume, arch)
-    for path in list_checkpoints(out_dir):
+    found = list_checkpoints(out_dir)
+    for path in found:
         try:
             return load(path, arch)
         except UserError as error:
+            if path == found[-1]:  # none can be continued: never start over silently on top
+                raise UserError(f"--resume auto: no checkpoint in {out_dir} can be continued by this run ({error}); "
+                                "or use another --out-dir, or --overwrite to replace that run") from None
             print(f"warning: skipping {path}: {error}", file=sys.stderr)
     if verbose:
         print(f"no checkpoint in {out_dir}: starting from scratch")
@@ -184,25 +190,52 @@ def place_schedule(scheduler, step):
 
 def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
     """Load a checkpoint's states into the given objects and the RNGs; returns (epoch, global_step)."""
+    global_step = state["global_step"]
     try:
         if model is not None:  # None: the caller loads the weights itself (FSDP's shards)
             model.load_state_dict(state["model"])
         if optimizer is not None and state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state["scheduler"] is not None:
+        steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
+        steps_then = steps_per_epoch(state)
+        if scheduler is not None and state["scheduler"] is not None and steps_then in (None, steps_now):
             scheduler.load_state_dict(state["scheduler"])
-        elif scheduler is not None:  # no schedule saved (a DeepSpeed export): continue at its global step
-            place_schedule(scheduler, state["global_step"])
+        elif scheduler is not None:  # other batch arithmetic, or no schedule saved (a DeepSpeed export)
+            global_step = by_progress(state, steps_then, steps_now)
+            place_schedule(scheduler, global_step)
         if scaler is not None and state["scaler"]:  # {} = saved by a disabled (bf16/fp32) scaler
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError) as error:
-        raise UserError(f"the checkpoint does not fit this model/optimizer ({str(error).splitlines()[0][:200]}); "
+        raise UserError(f"the checkpoint does not fit this model/optimizer ({brief(str(error).splitlines()[0])}); "
                         "check --arch and that it was written by this collection") from None
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available() \
             and len(state["rng"]["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["epoch"], state["global_step"]
+    return state["epoch"], global_step
+
+
+def steps_per_epoch(state):
+    """Optimizer steps per epoch of the run that wrote `state` (None where it cannot tell)."""
+    row = state.get("metrics") or {}
+    if "of_steps" in row or "steps" in row:
+        return row.get("of_steps", row.get("steps"))
+    return state["global_step"] // state["epoch"] if state["epoch"] else None
+
+
+def by_progress(state, steps_then, steps_now):
+    """Where a run with steps_now steps per epoch stands after the checkpoint's progress: its epochs done (and
+    the done fraction of a part-way epoch), not its raw step count, which counts another batch arithmetic."""
+    if steps_then is None or steps_now is None or steps_then == steps_now:
+        return state["global_step"]
+    row = state.get("metrics") or {}
+    part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
+    step = state["epoch"] * steps_now + part
+    if rank() == 0:
+        print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
+              f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
+              f"not at the checkpoint's step {state['global_step']}")
+    return step
 
 
 def weights_digest(model_state):
@@ -225,10 +258,37 @@ def write_digest(out_dir, rank, model_state):
     return path
 
 
-def make_out_dir(out_dir):
-    """Create --out-dir and prove it is writable before any training time is spent."""
+def earlier_run(out_dir):
+    """The checkpoints (file and folder names, newest file first) that out_dir holds."""
+    held = [os.path.basename(path) for path in list_checkpoints(out_dir)]
+    return held + [f"{name}/" for name in (ENGINE_DIR, DCP_DIR) if os.path.isdir(os.path.join(out_dir, name))
+                   and os.listdir(os.path.join(out_dir, name))]
+
+
+def make_out_dir(out_dir, resume=None, overwrite=False):
+    """Create --out-dir and prove it is writable before any training time is spent. A run owns its folder: one
+    that holds another run's checkpoints is refused (with the fix) unless this run continues it (--resume auto,
+    or --resume of its newest checkpoint) or replaces it (--overwrite)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
+    held = earlier_run(out_dir) if os.path.isdir(out_dir) else []
+    inside = resume not in (None, "auto") and os.path.realpath(resume).startswith(os.path.realpath(out_dir) + os.sep)
+    if held and overwrite:
+        if inside:
+            raise UserError(f"--overwrite would delete --resume {resume}: copy it out of {out_dir} first")
+        if rank() == 0:
+            print(f"--overwrite: replacing the run in {out_dir} ({held[0]} and its metrics)")
+        for name in held + [ENGINE_DIR, DCP_DIR, "metrics.jsonl", "training_curves.png"]:
+            path = os.path.join(out_dir, name)
+            with contextlib.suppress(OSError):  # every rank does this; another may have been first
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    elif held and resume is None:
+        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}): continue it with --resume auto, "
+                        "write to another --out-dir, or replace it with --overwrite")
+    elif held and resume != "auto" and not (inside and (os.path.isdir(resume) or os.path.basename(resume) == held[0])):
+        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}); continuing {resume} there would mix "
+                        "two runs (and the newest-3 rule would delete the new checkpoints): pass another --out-dir, "
+                        "or --overwrite to replace that run")
     # Leftovers: saves killed before their rename, and the weight digests of an earlier run (which, from a run with
     # more processes, would claim a disagreement with this run's). Another rank may be removing them too.
     for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256"):

@@ -1,5 +1,6 @@
 """Command-line helpers shared by every step: the shared flags, argument types and the one-line error contract."""
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -9,8 +10,23 @@ class UserError(Exception):
     """A problem the user can fix. Printed as one line (with the fix), exit status 2."""
 
 
-# Exception types that mean "another rank failed" (a collective lost its peer), added by the steps' libraries.
+# Exception types that mean "another rank failed" (a collective lost its peer), added by the steps' libraries, and
+# what torch.distributed's RuntimeErrors say when a peer process is gone (gloo, NCCL).
 PEER_FAILURES = []
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+             "NCCL communicator was aborted")
+
+
+def brief(text, width=200):
+    """`text` on one line, shortened at a word boundary (never cut mid-word) to at most `width` characters."""
+    import textwrap
+
+    return textwrap.shorten(" ".join(str(text).split()), width, placeholder=" ...") or str(text)[:width]
+
+
+def rank():
+    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK); 0 without a launcher."""
+    return int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))
 
 
 def _whole_number(text, minimum, rule):
@@ -45,11 +61,20 @@ def _arg_error(message):
     return argparse.ArgumentTypeError(message)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """Usage and the error once per job: under a launcher every rank parses the same arguments; rank 0 says it."""
+        if rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def shared_parser(description, step):
     """The flags every step shares (the README's "Shared flags"); a step adds the flags of its method."""
     from .models import ARCHS
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = _Parser(description=description)
     parser.add_argument("--data-dir", default="./data",
                         help="CIFAR-10 root holding cifar-10-batches-py/ (downloaded if missing; default ./data)")
     parser.add_argument("--out-dir", default=f"runs/{step}",
@@ -74,6 +99,8 @@ def shared_parser(description, step):
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
     parser.add_argument("--resume", metavar="PATH|auto",
                         help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in --out-dir (its checkpoints and metrics) instead of refusing")
     parser.add_argument("--stop-after", type=positive_int, metavar="N",
                         help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
     return parser
@@ -83,24 +110,31 @@ def exits_cleanly(main):
     """Turn a UserError into one line on stderr and exit status 2, never a traceback.
 
     Under a launcher every rank prints its own line, prefixed with its rank, so the launcher's
-    log says which process gave up and why.
+    log says which process gave up and why. Under torchrun the line also goes into the error file it
+    names (TORCHELASTIC_ERROR_FILE), so that its closing summary shows it instead of `<N/A>`.
     """
+
+    def leave(line):
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            import json
+            import time
+
+            with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        sys.exit(2)
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            rank = os.environ.get("RANK")
-            prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-            print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            prefix = f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+            leave(f"{prefix}error: {error}")
         except Exception as error:
-            if not isinstance(error, tuple(PEER_FAILURES)):
+            if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
                 raise
-            print("stopping: another rank stopped, so the collectives shut down (its own error is above)",
-                  file=sys.stderr, flush=True)
-            sys.exit(2)
+            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)")
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)

@@ -17,12 +17,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .checkpoint import superseded
-from .cli import UserError
+from .checkpoint import ENGINE_DIR, superseded
+from .cli import UserError, brief
 
 VERSION = "0.19.8"  # as pinned in requirements.txt
 KNOWN_NOISE = ("**** You are using ZeRO with an untested optimizer",)
-ENGINE_DIR = "ds_checkpoints"  # the engine's checkpoints, a folder in --out-dir
 
 
 def load():
@@ -35,7 +34,7 @@ def load():
     try:
         import deepspeed
     except ImportError as error:
-        reason = str(error).strip().splitlines()[0][:120]
+        reason = brief(str(error).strip().splitlines()[0], 120)
         raise UserError(f"DeepSpeed is not importable by {sys.executable} ({reason}): install it with "
                         f"`{sys.executable} -m pip install deepspeed=={VERSION}`") from None
     if not torch.cuda.is_available():
@@ -122,7 +121,7 @@ def load_engine(engine, found, resume, step):
     try:
         path, client = engine.load_checkpoint(*found)
     except Exception as error:  # a checkpoint of another ZeRO stage or world size fails deep inside DeepSpeed
-        reason = ": ".join(filter(None, [type(error).__name__, " ".join(str(error).split())]))[:200]
+        reason = brief(": ".join(filter(None, [type(error).__name__, str(error)])))
         raise UserError(f"cannot load the DeepSpeed checkpoint in {os.path.join(*filter(None, found))} ({reason}); "
                         "resume with the ZeRO stage and number of processes that wrote it, or continue from its "
                         "checkpoint-epochNNNN.pt (weights only)") from None

@@ -17,9 +17,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 
-from .checkpoint import superseded
+from .checkpoint import DCP_DIR, superseded
 
-DCP_DIR = "dcp"  # the sharded checkpoints, a folder in --out-dir
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 SCATTER = StateDictOptions(full_state_dict=True)  # whole tensors in, this rank's shards kept
 

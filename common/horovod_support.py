@@ -16,7 +16,7 @@ def load():
     try:
         import horovod.torch as hvd
     except ImportError as error:
-        reason = str(error).strip().splitlines()[0][:120]
+        reason = cli.brief(str(error).strip().splitlines()[0], 120)
         raise cli.UserError(f"Horovod is not importable by {sys.executable} ({reason}): build it for this torch with "
                             f"`PYTHON={sys.executable} bash scripts/install_horovod.sh`, then run with that python") \
             from None

@@ -2,16 +2,20 @@
 import math
 
 
-def warmup_cosine(total_steps, warmup_steps):
-    """A LambdaLR factor function: 0 -> 1 over warmup_steps, then cosine 1 -> 0 at total_steps.
+def warmup_cosine(epochs, steps_per_epoch, warmup_epochs):
+    """A LambdaLR factor function: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 at the end of the last epoch.
 
     A plain function on purpose: LambdaLR saves no state for it, so checkpoints stay loadable with
-    weights_only=True.
+    weights_only=True. It carries `steps_per_epoch` (not saved either): a checkpoint of a run with other batch
+    arithmetic is placed on this schedule by its progress in epochs (checkpoint.restore).
     """
+    total_steps, warmup_steps = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
+
     def factor(step):
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
+    factor.steps_per_epoch = steps_per_epoch
     return factor

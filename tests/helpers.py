@@ -204,3 +204,21 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     evaluated = step01["evaluate"](model, test_loader, cpu, None, torch.contiguous_format)
     assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
     assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)
+
+
+def assert_01_continues_by_progress(checkpoint_path, data, out_dir):
+    """Continue a checkpoint written with another batch arithmetic (more steps per epoch) in step 01 at batch 64:
+    the schedule goes by epochs done, so epoch 2 trains (the weights move) and its loss falls below epoch 1's."""
+    from common.checkpoint import weights_digest
+
+    state = load_checkpoint(checkpoint_path)
+    proc = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out_dir,
+                "--resume", checkpoint_path])
+    steps_then = state["metrics"]["steps"]
+    assert (f"the checkpoint ran {steps_then} optimizer steps per epoch, this run {TRAIN_SIZE // 64}: the "
+            f"learning-rate schedule continues by progress, at step {TRAIN_SIZE // 64} (epochs done: 1), not at the "
+            f"checkpoint's step {state['global_step']}") in proc.output, proc.output
+    (row,) = metrics(out_dir)
+    assert row["epoch"] == 2 and row["train_loss"] < state["metrics"]["train_loss"], (row, state["metrics"])
+    final = load_checkpoint(checkpoint_epoch(out_dir, 2))["model"]
+    assert weights_digest(final) != weights_digest(state["model"]), "epoch 2 did not change the weights"

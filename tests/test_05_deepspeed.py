@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from common.checkpoint import weights_digest
-from helpers import (PYTHON, REPO, assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
-                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script, torchrun)
+from helpers import (PYTHON, REPO, assert_01_continues_by_progress, assert_one_line_error,
+                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script, torchrun)
 
 STEP = "05_cifar10_deepspeed"
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
@@ -142,3 +142,11 @@ def test_missing_deepspeed_is_one_line_with_the_fix(data, tmp_path):
     proc = run([PYTHON, "-c", hide_deepspeed, script(5), *data, "--out-dir", tmp_path / "o"], check=False)
     assert_one_line_error(proc, "DeepSpeed is not importable", f"`{PYTHON} -m pip install deepspeed==0.19.8`")
     assert not (tmp_path / "o").exists(), "nothing is written before the check"
+
+
+def test_an_export_of_other_batch_arithmetic_continues_in_01_by_progress(data, tmp_path):
+    """2 processes x 8 images (80 steps per epoch): 01 at batch 64 (20) once trained at learning rate 0 from it."""
+    deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off", "--stop-after", "1",
+              "--out-dir", tmp_path / "05")
+    assert_01_continues_by_progress(checkpoint_epoch(tmp_path / "05", 1), data, tmp_path / "01")
+

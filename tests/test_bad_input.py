@@ -128,9 +128,31 @@ def test_ddp_bad_resume_fails_every_rank_cleanly(tmp_path, cifar_dir):
     assert proc.returncode != 0 and 'cifar10_ddp.py", line' not in proc.output
     assert "[rank 0] error:" in proc.output and "[rank 1] error:" in proc.output
     assert "ChildFailedError" in proc.output and "exitcode  : 2" in proc.output
+    # torchrun's summary names our error (from the error file it gave each process), not `error_file: <N/A>`.
+    assert "traceback : [rank 0] error:" in proc.output and "error_file: <N/A>" not in proc.output, proc.output
 
 
 def test_sync_bn_on_cpu_says_it_needs_gpus(tmp_path, cifar_dir):
     proc = run(["python", script(4), "--data-dir", cifar_dir, *SMOKE, "--sync-bn", "--out-dir", tmp_path],
                check=False)
     assert proc.returncode == 2 and "--sync-bn needs CUDA GPUs" in proc.output and "Traceback" not in proc.output
+
+
+def test_a_fresh_run_into_another_runs_folder_is_refused_and_loses_nothing(tmp_path, data, run01):
+    """The folder of a finished run (run01: epochs 1-2) and a fresh run of another step pointed at it: one line
+    that names the three ways on, exit 2, and the earlier run's files as they were."""
+    shutil.copytree(run01, tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    proc = torchrun(2, 4, *data, "--epochs", "1", "--out-dir", tmp_path / "run", check=False, timeout=120)
+    assert proc.returncode != 0 and 'cifar10_ddp.py", line' not in proc.output, proc.output  # no traceback of ours
+    assert f"error: --out-dir {tmp_path / 'run'} already holds a run (checkpoint-epoch0002.pt): continue it with " \
+           "--resume auto, write to another --out-dir, or replace it with --overwrite" in proc.output, proc.output
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
+
+
+def test_a_bad_argument_under_a_launcher_is_said_once(tmp_path, cifar_dir):
+    proc = torchrun(2, 4, "--data-dir", cifar_dir, "--epochs", "0", "--out-dir", tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and proc.output.count("error: argument --epochs: must be positive, got 0") == 1, \
+        proc.output
+    assert proc.output.count("usage: 04_cifar10_ddp.py") == 1 and 'cifar10_ddp.py", line' not in proc.output
+

@@ -92,27 +92,47 @@ def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
         checkpoint.load(path, "cnn")
 
 
-def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_path):
-    """DeepSpeed exports carry no LambdaLR state: resuming one must not start the warm-up again."""
+def fresh_schedule(epochs=10, steps_per_epoch=10):
     from common.schedule import warmup_cosine
 
-    def fresh():
-        model = torch.nn.Linear(2, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(100, 10))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(epochs, steps_per_epoch, 1))
 
-    model, optimizer, stepped = fresh()
-    for _ in range(37):
+
+def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_path):
+    """DeepSpeed exports carry no LambdaLR state: resuming one must not start the warm-up again."""
+    model, optimizer, stepped = fresh_schedule()
+    for _ in range(30):
         optimizer.step()
         stepped.step()
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1, global_step=37,
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=3, global_step=30,
                            model_state=model.state_dict())
-    model, optimizer, placed = fresh()
-    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (1, 37)
+    model, optimizer, placed = fresh_schedule()
+    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (3, 30)
     assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
     optimizer.step()
     placed.step(), stepped.step()
     assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
+
+
+@pytest.mark.parametrize("saved_schedule", [True, False], ids=["with-schedule", "export"])
+def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, capsys, saved_schedule):
+    """2 of 4 epochs done at 25 steps per epoch (global step 50) is half the run: in a run of 4 epochs at 10 steps
+    per epoch that is step 20 (not 50, which would be past its end: learning rate 0, and the weights would never
+    move again)."""
+    model, optimizer, before = fresh_schedule(4, 25)
+    for _ in range(50):
+        optimizer.step()
+        before.step()
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=2, global_step=50,
+                           model_state=model.state_dict(), scheduler=before if saved_schedule else None,
+                           metrics={"epoch": 2, "steps": 25})
+    model, optimizer, placed = fresh_schedule(4, 10)
+    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (2, 20)
+    assert placed.last_epoch == 20 and placed.get_last_lr() == pytest.approx(before.get_last_lr()) != [0.0]
+    assert "ran 25 optimizer steps per epoch, this run 10: the learning-rate schedule continues by progress, " \
+           "at step 20 (epochs done: 2), not at the checkpoint's step 50" in capsys.readouterr().out
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(tmp_path, monkeypatch):
@@ -144,3 +164,48 @@ def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
     os.mkdir(tmp_path / metrics.PLOT)  # savefig cannot replace a folder: an OSError, as on a full disk
     assert metrics.plot(str(tmp_path), "test") is None
     assert "warning: could not draw" in capsys.readouterr().err
+
+
+def an_earlier_run(folder):
+    """A folder as a finished run leaves it: checkpoints of epochs 4-6, step 05's engine folder, metrics."""
+    folder.mkdir(exist_ok=True)
+    for epoch in (4, 5, 6):
+        (folder / f"checkpoint-epoch{epoch:04d}.pt").write_bytes(b"an earlier run")
+    (folder / "ds_checkpoints").mkdir()
+    (folder / "ds_checkpoints" / "latest").write_text("epoch0006")
+    (folder / "metrics.jsonl").write_text('{"epoch": 6}\n')
+    (folder / "notes.txt").write_text("not ours")
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_run(tmp_path):
+    before = an_earlier_run(tmp_path / "out")
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint-epoch0006.pt\): continue it with "
+                                         r"--resume auto, write to another --out-dir, or replace it with --overwrite"):
+        checkpoint.make_out_dir(str(tmp_path / "out"))
+    elsewhere = tmp_path / "checkpoint-epoch0001.pt"
+    with pytest.raises(UserError, match="would mix two runs"):  # the newest-3 rule would delete its new epochs
+        checkpoint.make_out_dir(str(tmp_path / "out"), resume=str(elsewhere))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+    checkpoint.make_out_dir(str(tmp_path / "out"), resume="auto")  # continuing it: its own folder
+    checkpoint.make_out_dir(str(tmp_path / "out"), resume=str(tmp_path / "out" / "checkpoint-epoch0006.pt"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
+def test_overwrite_replaces_the_earlier_run_and_nothing_else(tmp_path, capsys):
+    an_earlier_run(tmp_path)
+    checkpoint.make_out_dir(str(tmp_path), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert "--overwrite: replacing the run in" in capsys.readouterr().out
+    an_earlier_run(tmp_path / "again")
+    with pytest.raises(UserError, match="--overwrite would delete --resume"):
+        checkpoint.make_out_dir(str(tmp_path / "again"), str(tmp_path / "again" / "checkpoint-epoch0005.pt"), True)
+
+
+def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(str(tmp_path), step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
+                    model_state=model.state_dict())
+    with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run \(.*pass --arch resnet18"):
+        checkpoint.find_resume("auto", str(tmp_path), "cnn")
+

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_trained, checkpoint_epoch, digests, env, free_port,
-                     load_checkpoint, metrics, run, script, torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_01_continues_by_progress, assert_trained, checkpoint_epoch,
+                     digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
@@ -26,16 +26,26 @@ def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
     assert digests(tmp_path) == digests(run01), "resumed run must end bit-identical to the uninterrupted one"
 
 
+FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02/03's mechanics in fp32
+
+
 @pytest.fixture(scope="module")
 def run02(tmp_path_factory, data):
     out = tmp_path_factory.mktemp("run02")
-    return out, run([PYTHON, script(2), *data, *EPOCHS, "--out-dir", out]).output
+    return out, run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir", out]).output
+
+
+def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, data):
+    proc = run([PYTHON, script(2), *data, "--epochs", "1", "--batch-size", "32", "--out-dir", tmp_path])
+    assert "no CUDA GPU found" in proc.output and "amp bf16" in proc.output  # auto on the CPU: bf16 autocast
+    (row,) = metrics(tmp_path)
+    assert row["train_loss"] < 2.2, row  # below chance's ln(10) = 2.30 after one warm-up epoch: it learns
 
 
 def test_02_and_03_run_on_cpu_and_agree(tmp_path, data, run02):
     out2, out3 = run02[0], tmp_path / "03"
-    dp = run([PYTHON, script(3), *data, *EPOCHS, "--out-dir", out3])
-    assert "no CUDA GPU found" in run02[1] and "amp bf16" in run02[1]  # auto on the CPU: bf16 autocast
+    dp = run([PYTHON, script(3), *data, *EPOCHS, *FP32, "--out-dir", out3])
+    assert "no CUDA GPU found" in run02[1] and "amp off" in run02[1]
     assert "passthrough" in dp.output
     assert_trained(out2, epochs=2)
     assert_trained(out3, epochs=2)
@@ -48,8 +58,8 @@ def test_02_and_03_run_on_cpu_and_agree(tmp_path, data, run02):
 def test_02_and_03_resume_each_other_exactly(tmp_path, data, run02, first, then):
     """Stopped after epoch 1 by one step, resumed by the other: the same bits as the uninterrupted
     02 run (02 and 03 are bit-identical on a CPU, checked above)."""
-    run([PYTHON, script(first), *data, *EPOCHS, "--out-dir", tmp_path, "--stop-after", "1"])
-    run([PYTHON, script(then), *data, *EPOCHS, "--out-dir", tmp_path, "--resume", "auto"])
+    run([PYTHON, script(first), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--stop-after", "1"])
+    run([PYTHON, script(then), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--resume", "auto"])
     assert digests(tmp_path) == digests(run02[0])
 
 
@@ -115,3 +125,10 @@ def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
         assert [r["epoch"] for r in rows] == [2]
         assert rows[0]["train_loss"] == pytest.approx(metrics(run01)[1]["train_loss"], rel=2e-3)
         assert rows[0]["test_acc"] > 0.5
+
+
+def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(tmp_path, data):
+    """2 processes x 8 images (80 steps per epoch), continued by 01 at batch 64 (20 steps per epoch)."""
+    torchrun(2, 4, *data, *EPOCHS, "--batch-size", "8", "--amp", "off", "--stop-after", "1", "--out-dir", tmp_path / "04")
+    assert_01_continues_by_progress(checkpoint_epoch(tmp_path / "04", 1), data, tmp_path / "01")
+
