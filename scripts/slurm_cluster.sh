@@ -56,7 +56,8 @@ ClusterName=local
 SlurmctldHost=localhost
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$munge/socket
+# cred_expire: a requeued job may start again after this many seconds (+1); the default 120 suits real clusters.
+AuthInfo=socket=$munge/socket,cred_expire=10
 SlurmUser=root
 SlurmctldPort=6817
 StateSaveLocation=$dir/state
@@ -110,8 +111,9 @@ stop() {
     done
     local munge
     munge=$(cat "$dir/munge-dir" 2>/dev/null || true)
-    if [ -n "$munge" ] && [ -f "$munge/pid" ]; then
-        kill "$(cat "$munge/pid")" 2>/dev/null || true
+    if [ -n "$munge" ]; then
+        [ -f "$munge/pid" ] && kill "$(cat "$munge/pid")" 2>/dev/null || true
+        pkill -f "munged .*--socket=$munge/socket" 2>/dev/null || true  # also one whose pid file was not written yet
         sleep 0.2
         rm -rf "$munge"
     fi

@@ -88,13 +88,14 @@ def test_a_job_near_its_time_limit_checkpoints_requeues_and_ends_exactly(cluster
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.1)
     slurm(cluster, "scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@120 sends at the time
-    released = False
-    while (state := job_state(cluster, job)) and (state["JobState"] != "COMPLETED" or state["Restarts"] != "1"):
-        assert time.monotonic() < deadline + 180, f"{state}\n{log.read_text()}"
-        if not released and state["Reason"] == "BeginTime":  # requeued: Slurm holds it ~2 min before it may start
-            released = not slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now").returncode
+    while True:  # requeued, it may start again after 11 s (scripts/slurm_cluster.sh: cred_expire=10)
+        state, text = job_state(cluster, job), log.read_text()
+        if state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1":
+            break
+        if not state and "epoch   2/2  train_loss" in text.partition("(restart 1)")[2]:
+            break  # ended, and Slurm has already forgotten it (MinJobAge)
+        assert time.monotonic() < deadline + 180, f"{state}\n{text}"
         time.sleep(0.5)
-    assert released, "the job was not requeued (it never waited to begin again)"
     text = log.read_text()
     assert "time limit near: asking the job to checkpoint" in text and f"requeueing job {job}" in text, text
     stopped = re.search(r"stopped after step (\d+)/(\d+)", text)
