@@ -13,7 +13,8 @@ run code is refused):
     epoch        epochs completed
     global_step  optimizer steps taken (also those of a part-way epoch)
     rng          {"torch": CPU generator state, "cuda": list of per-GPU states or None}
-    args         the run's arguments (a dict of plain values)
+    args         the run's arguments (a dict of plain values); --resume restores them (continue_settings)
+    processes    the number of processes of the run (1 for steps 01-03)
     metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (a
                  preemption signal, see preempt.py) the training half of the row so far, with
                  "partial": True, "steps" done and "of_steps" per epoch
@@ -34,10 +35,13 @@ import sys
 
 import torch
 
-from .cli import UserError, brief, rank
+from .cli import UserError, brief, processes, rank
 
 FORMAT = "cifar10-parallel/1"
 ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
+# The settings of one invocation (where to write, how to start), never taken from a checkpoint's run.
+_ANNOUNCED = False  # continue_settings() said how the schedule continues: by_progress() need not say it again
+OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank"}
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
@@ -94,7 +98,7 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
         "epoch": epochs_done(epoch, metrics), "global_step": global_step, "rng": rng_states(),
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         if args is not None else {},
-        "metrics": metrics or {}, "synthetic": bool(synthetic),
+        "metrics": metrics or {}, "synthetic": bool(synthetic), "processes": processes(),
     }
     path = checkpoint_path(out_dir, epoch, metrics)
     try:
@@ -121,8 +125,9 @@ def list_checkpoints(out_dir):
     return [p for _, _, p in sorted(found, reverse=True)]
 
 
-def load(path, arch=None):
-    """Load and validate a checkpoint of this collection. Any problem is one UserError with the fix."""
+def load(path, arch=None, mmap=False):
+    """Load and validate a checkpoint of this collection. Any problem is one UserError with the fix.
+    mmap: map the tensors' storage instead of reading it (for a look at the other values)."""
     if not os.path.isfile(path):
         raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest checkpoint in --out-dir)")
     with open(path, "rb") as f:
@@ -131,7 +136,7 @@ def load(path, arch=None):
         raise UserError(f"{path} is not a checkpoint (not a file written by torch.save): "
                         "pass a checkpoint-epochNNNN.pt written by one of the numbered scripts")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
         if unsafe is None:  # not a pickle we can read at all
@@ -170,6 +175,41 @@ def find_resume(resume, out_dir, arch, verbose=True):
     if verbose:
         print(f"no checkpoint in {out_dir}: starting from scratch")
     return None
+
+
+def continue_settings(args, given):
+    """--resume: every setting not in `given` (those typed on the command line) comes from the checkpoint's run, so
+    `--resume auto` alone continues it; a given --arch that differs stops. A new number of processes is announced
+    with the global batch before and after. (A folder of DeepSpeed's or FSDP's own checkpoints: nothing to read.)"""
+    found = list_checkpoints(args.out_dir) if args.resume == "auto" else [args.resume]
+    for path in found:
+        if args.resume == "auto" or not os.path.isdir(path):
+            try:
+                state = load(path, mmap=True)  # only the small values are read
+                break
+            except UserError:
+                if args.resume != "auto":
+                    raise
+    else:
+        return  # nothing to continue: find_resume says so, or which files it skipped
+    if "arch" in given and args.arch != state["arch"]:
+        raise UserError(f"--arch {args.arch} contradicts {path}, which holds a {state['arch']} model: "
+                        f"drop --arch to continue it, or start a new run in another --out-dir")
+    for name, value in {**state.get("args", {}), "arch": state["arch"]}.items():
+        if name not in given and name not in OWN_SETTINGS and hasattr(args, name):
+            setattr(args, name, value)
+    before, now = state.get("processes"), getattr(args, "spawn", None) or processes()
+    launched = not hasattr(args, "spawn") or "RANK" in os.environ  # 04/07/08 parse again in the ranks they start
+    if before and before != now and launched and rank() == 0:
+        saved = state.get("args", {})
+        batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
+        batch_now = args.batch_size * now * args.grad_accum
+        global _ANNOUNCED
+        _ANNOUNCED = batch_then != batch_now
+        print(f"note: the checkpoint's run had {before} processes (global batch {batch_then}), this one has {now} "
+              f"(global batch {batch_now}): " + ("the learning-rate schedule continues by progress (epochs done), "
+                                                 "not by step count" if _ANNOUNCED else
+                                                 "same steps per epoch, the learning-rate schedule goes on unchanged"))
 
 
 def describe(state):
@@ -231,7 +271,7 @@ def by_progress(state, steps_then, steps_now):
     row = state.get("metrics") or {}
     part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
     step = state["epoch"] * steps_now + part
-    if rank() == 0:
+    if rank() == 0 and not _ANNOUNCED:
         print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
               f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
               f"not at the checkpoint's step {state['global_step']}")

@@ -29,6 +29,11 @@ def rank():
     return int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))
 
 
+def processes():
+    """Processes of this job as its launcher set them (WORLD_SIZE; horovodrun: HOROVOD_SIZE); 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("HOROVOD_SIZE", 1)))
+
+
 def _whole_number(text, minimum, rule):
     try:
         value = int(text)
@@ -62,6 +67,26 @@ def _arg_error(message):
 
 
 class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        """Parse; with --resume, every setting not given on the command line comes from the checkpoint's run."""
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "resume", None):
+            from .checkpoint import continue_settings
+
+            continue_settings(parsed, self._given(args))
+        return parsed
+
+    def _given(self, args):
+        """The dests of the options on the command line (parsed again with every default suppressed)."""
+        defaults = {action: action.default for action in self._actions}
+        try:
+            for action in self._actions:
+                action.default = argparse.SUPPRESS
+            return set(vars(super().parse_known_args(args)[0]))
+        finally:
+            for action, default in defaults.items():
+                action.default = default
+
     def error(self, message):
         """Usage and the error once per job: under a launcher every rank parses the same arguments; rank 0 says it."""
         if rank() == 0:

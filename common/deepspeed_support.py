@@ -8,6 +8,7 @@
 * export_weights(): the fp32 weights gathered from the ZeRO shards, for checkpoint-epochNNNN.pt.
 * engine_checkpoint() / load_engine(): which engine checkpoint --resume names, and loading it with one-line errors.
 """
+import glob
 import json
 import os
 import shutil
@@ -115,9 +116,27 @@ def engine_checkpoint(resume, out_dir):
     return os.path.split(path)
 
 
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def load_engine(engine, found, resume, step):
     """engine.load_checkpoint(*found): every rank reads its shard of weights and optimizer state, the schedule and
     our client_state (whose RNG state it restores). Returns (folder, client_state); errors in one line."""
+    folder, tag = found
+    tag = tag or _read(os.path.join(folder, "latest"))
+    shards = len(glob.glob(os.path.join(glob.escape(os.path.join(folder, tag or "")), "*zero_pp_rank_*_optim_states.pt")))
+    if shards and shards != torch.distributed.get_world_size():  # DeepSpeed's own message is long and cut short
+        export = os.path.join(os.path.dirname(folder), f"checkpoint-{tag}.pt")
+        raise UserError(f"the DeepSpeed checkpoint {os.path.join(folder, tag)} holds the optimizer state of "
+                        f"{shards} processes, this run has {torch.distributed.get_world_size()}; DeepSpeed cannot "
+                        "re-partition SGD's state (its universal checkpoint converts Adam's only): start "
+                        f"{shards} processes, or continue from the weights with --resume {export} "
+                        "(the momentum starts again)")
     try:
         path, client = engine.load_checkpoint(*found)
     except Exception as error:  # a checkpoint of another ZeRO stage or world size fails deep inside DeepSpeed

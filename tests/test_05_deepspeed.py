@@ -83,6 +83,12 @@ def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
     common = [*data, *ZERO2, "--out-dir", tmp_path]
     first = deepspeed(2, *common, "--stop-after", "1")
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    # One process cannot take two processes' ZeRO shards: the line names the way that works (weights only).
+    alone = run([PYTHON, script(5), "--out-dir", tmp_path, "--resume", "auto"], check=False, DS_ACCELERATOR="cpu")
+    assert_one_line_error(alone, "holds the optimizer state of 2 processes, this run has 1",
+                          f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
+    assert "note: the checkpoint's run had 2 processes (global batch 64), this one has 1 (global batch 32)" \
+        in alone.output, alone.output  # its settings came from the checkpoint: --grad-accum 2, --batch-size 16
     second = deepspeed(2, *common, "--resume", "auto")
     assert (f"resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint "
             f"{tmp_path / 'ds_checkpoints' / 'epoch0001'}") in second.output

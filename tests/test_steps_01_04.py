@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_01_continues_by_progress, assert_trained, checkpoint_epoch,
-                     digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_01_continues_by_progress, assert_one_line_error, assert_trained,
+                     checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
@@ -19,11 +19,14 @@ def test_01_trains_above_chance(run01):
 def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
     first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--stop-after", "1"])
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    second = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--resume", "auto",
+    # Only where and how: data, model, epochs, batch, precision and seed come from the checkpoint's run.
+    second = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto",
                   "--workers", "2"])  # another worker count: the batches must not change
     assert "resumed from epoch 1" in second.output
     assert_trained(tmp_path, epochs=2)
     assert digests(tmp_path) == digests(run01), "resumed run must end bit-identical to the uninterrupted one"
+    other = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto", "--arch", "resnet18"], check=False)
+    assert_one_line_error(other, "--arch resnet18 contradicts", "which holds a cnn model")
 
 
 FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02/03's mechanics in fp32
