@@ -6,12 +6,13 @@ command line reaches), the distributed steps through their launchers.
 """
 import importlib.util
 import json
+import re
 import shutil
 
 import pytest
 import torch
 
-from helpers import PYTHON, REPO, SMOKE, run, script, torchrun
+from helpers import PYTHON, REPO, SMOKE, launch_command, run, script
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[1-8]_cifar10_*.py"))
 
@@ -112,24 +113,40 @@ def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir):
         assert len(lines) == 1 and "error:" in lines[0] and complaint in lines[0], (case, err)
 
 
-def test_missing_data_offline_names_both_fixes(tmp_path):
-    proc = run(["python", script(1), "--data-dir", tmp_path / "empty", *SMOKE, "--out-dir", tmp_path / "o"],
-               check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.output
-    assert "python -m common.synthetic" in proc.output and "cifar-10-python.tar.gz" in proc.output
+# Every launcher the README documents, with a step it starts: launcher, processes, step, the step's own flags.
+LAUNCHED = {"python": ("python", 1, 1, []), "spawn": ("python", 1, 4, ["--spawn", "2"]),
+            "torchrun": ("torchrun", 2, 4, []), "legacy": ("legacy", 2, 4, []),
+            "deepspeed": ("deepspeed", 2, 5, []), "horovodrun": ("horovodrun", 2, 6, [])}
+OUR_FRAMES = re.compile(r'File "[^"]*(0\d_cifar10_\w+\.py|common/\w+\.py)", line')
 
 
-def test_ddp_bad_resume_fails_every_rank_cleanly(tmp_path, cifar_dir):
-    (tmp_path / "corrupt.pt").write_bytes(b"garbage")
-    proc = torchrun(2, 4, "--data-dir", cifar_dir, *SMOKE, "--out-dir", tmp_path / "o",
-                    "--resume", tmp_path / "corrupt.pt", check=False, timeout=120)
-    # torchrun itself ends with its ChildFailedError report (a traceback of torchrun's own code,
-    # naming the failed ranks); our processes contribute one line each and no traceback.
-    assert proc.returncode != 0 and 'cifar10_ddp.py", line' not in proc.output
-    assert "[rank 0] error:" in proc.output and "[rank 1] error:" in proc.output
-    assert "ChildFailedError" in proc.output and "exitcode  : 2" in proc.output
-    # torchrun's summary names our error (from the error file it gave each process), not `error_file: <N/A>`.
-    assert "traceback : [rank 0] error:" in proc.output and "error_file: <N/A>" not in proc.output, proc.output
+@pytest.mark.parametrize("failure", ["offline-no-data", "bad-checkpoint"])
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure, tmp_path, cifar_dir):
+    """The README's first command on a machine without internet (no data, no download), and a bad --resume: the
+    cause in one line among the last 10 the user sees, no traceback of our code, the other rank silent or one
+    "stopping:" line. torchrun (and the legacy launcher, which is torchrun) closes with its own report, which
+    names our line (from the error file it gives each process); horovodrun closes with a traceback of its own
+    code (~20 lines) after which nothing of ours can come: there our line is among the last of our processes'."""
+    name, nproc, number, flags = LAUNCHED[launcher]  # 2 ranks but under plain python
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    args, cause = {"offline-no-data": (["--data-dir", tmp_path / "empty"], "CIFAR-10 is not in"),
+                   "bad-checkpoint": (["--data-dir", cifar_dir, "--resume", tmp_path / "bad.pt"],
+                                      "bad.pt is not a checkpoint")}[failure]
+    proc = run([*launch_command(name, nproc, number), *flags, *args, *SMOKE, "--out-dir", tmp_path / "out"],
+               check=False, timeout=120, DS_ACCELERATOR="cpu")
+    lines = proc.output.strip().splitlines()
+    assert proc.returncode != 0 and not OUR_FRAMES.search(proc.output), proc.output
+    if launcher == "horovodrun":
+        lines = [line for line in lines if line.startswith(("[0]<", "[1]<"))]  # what our processes printed
+    assert any(cause in line for line in lines[-10:]), proc.output
+    others = [line for line in proc.output.splitlines() if "error:" in line and cause not in line]
+    stopping = [line for line in proc.output.splitlines() if re.match(r"(\[\d\]<std\w+>:)?stopping:", line)]
+    assert len(others) <= 1 and len(stopping) <= (launcher != "python"), proc.output  # spawn: "rank 0 exited"
+    if launcher in ("torchrun", "legacy"):
+        assert "traceback : [rank" in proc.output and "error_file: <N/A>" not in proc.output, proc.output
+    if failure == "offline-no-data":
+        assert "python -m common.synthetic" in proc.output and "cifar-10-python.tar.gz" in proc.output
 
 
 def test_sync_bn_on_cpu_says_it_needs_gpus(tmp_path, cifar_dir):
