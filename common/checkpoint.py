@@ -206,7 +206,8 @@ def continue_settings(args, given):
         batch_now = args.batch_size * now * args.grad_accum
         global _ANNOUNCED
         _ANNOUNCED = batch_then != batch_now
-        print(f"note: the checkpoint's run had {before} processes (global batch {batch_then}), this one has {now} "
+        print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
+              f"this one has {now} "
               f"(global batch {batch_now}): " + ("the learning-rate schedule continues by progress (epochs done), "
                                                  "not by step count" if _ANNOUNCED else
                                                  "same steps per epoch, the learning-rate schedule goes on unchanged"))

@@ -12,13 +12,17 @@ class MetricsLog:
     """Appends one row per epoch to out_dir/metrics.jsonl.
 
     A resumed run keeps the rows up to the epoch it resumes from and drops later ones (written
-    after that checkpoint by the run that crashed), so the file always matches the weights.
+    after that checkpoint by the run that crashed), so the file always matches the weights. The
+    resumed epoch's row, lost if the run was killed between its checkpoint and its row, comes back
+    from that checkpoint (which holds it).
     """
 
     def __init__(self, out_dir, start_epoch=0, synthetic=False):
         self.path = os.path.join(out_dir, FILE)
         self.synthetic = synthetic
         rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
+        if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
+            rows += _row_of_checkpoint(out_dir, start_epoch)
         with open(self.path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
@@ -29,6 +33,19 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
+
+
+def _row_of_checkpoint(out_dir, epoch):
+    """[the metrics row that out_dir's checkpoint of `epoch` holds], or [] without one."""
+    from .checkpoint import checkpoint_path, load
+    from .cli import UserError
+
+    path = checkpoint_path(out_dir, epoch)
+    try:
+        state = load(path, mmap=True) if os.path.isfile(path) else {}
+    except UserError:
+        return []
+    return [{**state["metrics"], "synthetic": state["synthetic"]}] if state.get("metrics", {}).get("epoch") else []
 
 
 def read(path):
@@ -46,7 +63,8 @@ def start_line(step, args, device, precision, train_loader, synthetic, processes
         batch = f"batch {args.batch_size} x {args.grad_accum} accumulation"
         where = device
     else:
-        batch = (f"batch {args.batch_size} per process x {processes} processes x {args.grad_accum} accumulation = "
+        batch = (f"batch {args.batch_size} per process x {processes} process{'es' * (processes != 1)} x "
+                 f"{args.grad_accum} accumulation = "
                  f"{args.batch_size * processes * args.grad_accum} global")
         where = f"{processes} x {device.type}"
     return (f"{step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, {images} training images, "

@@ -19,12 +19,15 @@ def test_01_trains_above_chance(run01):
 def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
     first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--stop-after", "1"])
     assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    row1 = (tmp_path / "metrics.jsonl").read_text()
+    (tmp_path / "metrics.jsonl").write_text("")  # as a kill between the checkpoint's rename and its row leaves it
     # Only where and how: data, model, epochs, batch, precision and seed come from the checkpoint's run.
     second = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto",
                   "--workers", "2"])  # another worker count: the batches must not change
     assert "resumed from epoch 1" in second.output
     assert_trained(tmp_path, epochs=2)
     assert digests(tmp_path) == digests(run01), "resumed run must end bit-identical to the uninterrupted one"
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(row1), "epoch 1's row comes back from its checkpoint"
     other = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto", "--arch", "resnet18"], check=False)
     assert_one_line_error(other, "--arch resnet18 contradicts", "which holds a cnn model")
 
