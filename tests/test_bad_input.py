@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import PYTHON, REPO, SMOKE, launch_command, run, script
+from helpers import PYTHON, REPO, SMOKE, launch_command, run, script, torchrun
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[1-8]_cifar10_*.py"))
 
