@@ -121,14 +121,27 @@ class CIFAR10Tensors(torch.utils.data.Dataset):
         return image, self.labels[index]
 
 
+def _unreadable(data_dir, train):
+    """The first batch file of the split that does not unpickle to a dict (None if all do)."""
+    for name in ["batches.meta", *(FILES[:5] if train else ["test_batch"])]:
+        path = os.path.join(data_dir, FOLDER, name)
+        try:
+            with open(path, "rb") as f:
+                if not isinstance(pickle.load(f, encoding="latin1"), dict):
+                    return path
+        except Exception:
+            return path
+    return None
+
+
 def _read_split(data_dir, train):
     try:
         dataset = _CIFAR10Folder(data_dir, train=train, download=False)
     except (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, OSError,
             RuntimeError) as error:
-        raise UserError(f"cannot read CIFAR-10 in {os.path.join(data_dir, FOLDER)} "
-                        f"({type(error).__name__}: {error}); the files are damaged or not CIFAR-10: "
-                        + _remedies(data_dir)) from None
+        where = _unreadable(data_dir, train) or os.path.join(data_dir, FOLDER)
+        raise UserError(f"cannot read CIFAR-10 in {where} ({type(error).__name__}: {error}); the file is damaged "
+                        "or not CIFAR-10: " + _remedies(data_dir)) from None
     images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     labels = torch.tensor(dataset.targets, dtype=torch.int64)
     if len(labels) != len(images) or len(labels) == 0 or labels.min() < 0 or labels.max() >= len(CLASSES):

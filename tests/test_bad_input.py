@@ -49,7 +49,7 @@ def bad_cases(tmp_path, cifar_dir):
     torch.save({"state_dict": {}}, tmp_path / "foreign.pt")
     return {
         "data-dir-is-a-file": (["--data-dir", tmp_path / "a-file"], "is a file"),
-        "truncated-batch": (["--data-dir", damaged], "damaged or not CIFAR-10"),
+        "truncated-batch": (["--data-dir", damaged], "data_batch_2 ("),  # names the damaged file
         "out-dir-unwritable": (["--out-dir", tmp_path / "a-file" / "out"], "--out-dir"),
         "resume-missing": (["--resume", tmp_path / "nope.pt"], "no such file"),
         "resume-corrupt": (["--resume", tmp_path / "corrupt.pt"], "not a readable checkpoint"),

@@ -65,7 +65,7 @@ def test_truncated_batch_is_one_clear_error(tmp_path):
     write_synthetic_cifar10(str(tmp_path), train_size=50, test_size=10)
     batch = tmp_path / data.FOLDER / "data_batch_3"
     batch.write_bytes(batch.read_bytes()[:200])
-    with pytest.raises(UserError, match="damaged or not CIFAR-10"):
+    with pytest.raises(UserError, match=f"cannot read CIFAR-10 in {batch} .*damaged or not CIFAR-10"):
         data.cifar10_datasets(str(tmp_path))
 
 
