@@ -40,7 +40,6 @@ from .cli import UserError, brief, processes, rank
 FORMAT = "cifar10-parallel/1"
 ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
 # The settings of one invocation (where to write, how to start), never taken from a checkpoint's run.
-_ANNOUNCED = False  # continue_settings() said how the schedule continues: by_progress() need not say it again
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank"}
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
@@ -204,13 +203,10 @@ def continue_settings(args, given):
         saved = state.get("args", {})
         batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
         batch_now = args.batch_size * now * args.grad_accum
-        global _ANNOUNCED
-        _ANNOUNCED = batch_then != batch_now
         print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
-              f"this one has {now} "
-              f"(global batch {batch_now}): " + ("the learning-rate schedule continues by progress (epochs done), "
-                                                 "not by step count" if _ANNOUNCED else
-                                                 "same steps per epoch, the learning-rate schedule goes on unchanged"))
+              f"this one has {now} (global batch {batch_now}): "
+              + ("the learning-rate schedule continues by progress (epochs done), not by step count"
+                 if batch_then != batch_now else "same steps per epoch, the learning-rate schedule goes on unchanged"))
 
 
 def describe(state):
@@ -272,7 +268,7 @@ def by_progress(state, steps_then, steps_now):
     row = state.get("metrics") or {}
     part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
     step = state["epoch"] * steps_now + part
-    if rank() == 0 and not _ANNOUNCED:
+    if rank() == 0 and state.get("processes", processes()) == processes():  # else continue_settings() said it
         print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
               f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
               f"not at the checkpoint's step {state['global_step']}")

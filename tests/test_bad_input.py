@@ -172,4 +172,3 @@ def test_a_bad_argument_under_a_launcher_is_said_once(tmp_path, cifar_dir):
     assert proc.returncode != 0 and proc.output.count("error: argument --epochs: must be positive, got 0") == 1, \
         proc.output
     assert proc.output.count("usage: 04_cifar10_ddp.py") == 1 and 'cifar10_ddp.py", line' not in proc.output
-
