@@ -15,6 +15,7 @@ class UserError(Exception):
 PEER_FAILURES = []
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
              "NCCL communicator was aborted")
+CONNECT_FAILED = "connectFullMesh failed"  # gloo, while the group forms: a peer is gone or cannot be reached
 
 
 def brief(text, width=200):
@@ -157,6 +158,9 @@ def exits_cleanly(main):
             prefix = f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
             leave(f"{prefix}error: {error}")
         except Exception as error:
+            if CONNECT_FAILED in str(error):
+                leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)}): "
+                      "one stopped while the group formed, or the address is unreachable (see troubleshooting)")
             if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
                 raise
             leave("stopping: another rank stopped, so the collectives shut down (its own error is above)")

@@ -172,3 +172,21 @@ def test_a_bad_argument_under_a_launcher_is_said_once(tmp_path, cifar_dir):
     assert proc.returncode != 0 and proc.output.count("error: argument --epochs: must be positive, got 0") == 1, \
         proc.output
     assert proc.output.count("usage: 04_cifar10_ddp.py") == 1 and 'cifar10_ddp.py", line' not in proc.output
+
+
+def test_a_group_that_cannot_connect_is_one_line(capsys):
+    """What gloo raises in init_process_group when a peer is gone while the group forms (seen in a torchrun
+    restart here): one line, exit 2, not the traceback of our setup()."""
+    from common.cli import exits_cleanly
+
+    @exits_cleanly
+    def main():
+        raise RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+                           "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:31155")
+
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: cannot connect to the other processes (Gloo connectFullMesh failed") and \
+        "Connection refused" in err, err
