@@ -198,7 +198,8 @@ def continue_settings(args, given):
         if name not in given and name not in OWN_SETTINGS and hasattr(args, name):
             setattr(args, name, value)
     before, now = state.get("processes"), getattr(args, "spawn", None) or processes()
-    launched = not hasattr(args, "spawn") or "RANK" in os.environ  # 04/07/08 parse again in the ranks they start
+    # 04, 05, 07 and 08 (those with --local-rank) started without a launcher parse again in the ranks they start.
+    launched = not hasattr(args, "local_rank") or "RANK" in os.environ
     if before and before != now and launched and rank() == 0:
         saved = state.get("args", {})
         batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
