@@ -39,8 +39,11 @@ from .cli import UserError, brief, processes, rank
 
 FORMAT = "cifar10-parallel/1"
 ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
-# The settings of one invocation (where to write, how to start), never taken from a checkpoint's run.
-OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank"}
+# Settings of this invocation and this machine, never taken from a checkpoint's run: where to write, how to start,
+# what the hardware allows (--sync-bn needs GPUs, --compile a compiler; on/off flags without a --no- form), and the
+# DeepSpeed config's path (absolute, of the checkout that wrote it).
+OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers", "compile", "sync_bn",
+                "fp16_allreduce", "dist_timeout", "deepspeed_config"}
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
@@ -180,9 +183,9 @@ def continue_settings(args, given):
     """--resume: every setting not in `given` (those typed on the command line) comes from the checkpoint's run, so
     `--resume auto` alone continues it; a given --arch that differs stops. A new number of processes is announced
     with the global batch before and after. (A folder of DeepSpeed's or FSDP's own checkpoints: nothing to read.)"""
-    found = list_checkpoints(args.out_dir) if args.resume == "auto" else [args.resume]
+    found = list_checkpoints(args.out_dir) if args.resume == "auto" else [export_of(args.resume)]
     for path in found:
-        if args.resume == "auto" or not os.path.isdir(path):
+        if path is not None:
             try:
                 state = load(path, mmap=True)  # only the small values are read
                 break
@@ -207,7 +210,22 @@ def continue_settings(args, given):
         print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
               f"this one has {now} (global batch {batch_now}): "
               + ("the learning-rate schedule continues by progress (epochs done), not by step count"
-                 if batch_then != batch_now else "same steps per epoch, the learning-rate schedule goes on unchanged"))
+                 if batch_then != batch_now else "the same global batch, the learning-rate schedule goes on as it was"))
+
+
+def export_of(resume):
+    """--resume PATH: that file; for a folder of DeepSpeed's or FSDP's own checkpoints (ds_checkpoints/ or dcp/, or one
+    epochNNNN folder in it) the checkpoint-epochNNNN.pt that 05 and 08 write beside it (None if there is none)."""
+    if not os.path.isdir(resume):
+        return resume
+    folder = os.path.abspath(resume)
+    if re.fullmatch(r"epoch\d{4,}(-step\d{6,})?", os.path.basename(folder)):
+        tag, out_dir = os.path.basename(folder), os.path.dirname(os.path.dirname(folder))
+    else:
+        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"epoch\d{4,}(-step\d{6,})?", n))
+        tag, out_dir = (names[-1] if names else None), os.path.dirname(folder)
+    path = os.path.join(out_dir, f"checkpoint-{tag}.pt")
+    return path if tag and os.path.isfile(path) else None
 
 
 def describe(state):

@@ -26,13 +26,16 @@ def brief(text, width=200):
 
 
 def rank():
-    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK); 0 without a launcher."""
-    return int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))
+    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK, or Open MPI's under its MPI
+    controller); 0 without a launcher."""
+    return int(next((os.environ[k] for k in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), 0))
 
 
 def processes():
-    """Processes of this job as its launcher set them (WORLD_SIZE; horovodrun: HOROVOD_SIZE); 1 without one."""
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("HOROVOD_SIZE", 1)))
+    """Processes of this job as its launcher set them (WORLD_SIZE; horovodrun: HOROVOD_SIZE, or Open MPI's under
+    its MPI controller); 1 without one."""
+    return int(next((os.environ[k] for k in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE")
+                     if k in os.environ), 1))
 
 
 def _whole_number(text, minimum, rule):
@@ -71,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """Parse; with --resume, every setting not given on the command line comes from the checkpoint's run."""
         parsed = super().parse_args(args, namespace)
-        if getattr(parsed, "resume", None):
+        if getattr(parsed, "resume", None) and not (parsed.resume == "auto" and parsed.overwrite):  # that starts anew
             from .checkpoint import continue_settings
 
             continue_settings(parsed, self._given(args))

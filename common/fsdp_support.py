@@ -72,6 +72,7 @@ def save_sharded(out_dir, tag, model, optimizer, extra, keep=3):
         shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
+    extra = {**extra, "processes": dist.get_world_size()}  # read by checkpoint.by_progress on resume
     dcp.save({"model": model_state, "optim": optim_state, "extra": pickle.dumps(extra)}, checkpoint_id=tmp)
     dist.barrier()  # every rank's shard is written
     if dist.get_rank() == 0:

@@ -143,6 +143,8 @@ def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure
     others = [line for line in proc.output.splitlines() if "error:" in line and cause not in line]
     stopping = [line for line in proc.output.splitlines() if re.match(r"(\[\d\]<std\w+>:)?stopping:", line)]
     assert len(others) <= 1 and len(stopping) <= (launcher != "python"), proc.output  # spawn: "rank 0 exited"
+    if failure == "offline-no-data" and launcher != "python":  # both ranks ran: the other one says why it stops
+        assert stopping or "[rank 1] error:" in proc.output, proc.output
     if launcher in ("torchrun", "legacy"):
         assert "traceback : [rank" in proc.output and "error_file: <N/A>" not in proc.output, proc.output
     if failure == "offline-no-data":
