@@ -182,7 +182,8 @@ def find_resume(resume, out_dir, arch, verbose=True):
 def continue_settings(args, given):
     """--resume: every setting not in `given` (those typed on the command line) comes from the checkpoint's run, so
     `--resume auto` alone continues it; a given --arch that differs stops. A new number of processes is announced
-    with the global batch before and after. (A folder of DeepSpeed's or FSDP's own checkpoints: nothing to read.)"""
+    with the global batch before and after. A folder of DeepSpeed's or FSDP's own checkpoints: the settings of the
+    checkpoint-epochNNNN.pt beside it (export_of)."""
     found = list_checkpoints(args.out_dir) if args.resume == "auto" else [export_of(args.resume)]
     for path in found:
         if path is not None:
