@@ -44,6 +44,7 @@ ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps
 # DeepSpeed config's path (absolute, of the checkout that wrote it).
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers", "compile", "sync_bn",
                 "fp16_allreduce", "dist_timeout", "deepspeed_config"}
+TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # the name of one epoch's folder in ds_checkpoints/ or dcp/
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
@@ -220,10 +221,10 @@ def export_of(resume):
     if not os.path.isdir(resume):
         return resume
     folder = os.path.abspath(resume)
-    if re.fullmatch(r"epoch\d{4,}(-step\d{6,})?", os.path.basename(folder)):
+    if TAG.fullmatch(os.path.basename(folder)):
         tag, out_dir = os.path.basename(folder), os.path.dirname(os.path.dirname(folder))
     else:
-        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"epoch\d{4,}(-step\d{6,})?", n))
+        names = sorted(n for n in os.listdir(folder) if TAG.fullmatch(n))
         tag, out_dir = (names[-1] if names else None), os.path.dirname(folder)
     path = os.path.join(out_dir, f"checkpoint-{tag}.pt")
     return path if tag and os.path.isfile(path) else None
