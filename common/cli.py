@@ -143,14 +143,17 @@ def exits_cleanly(main):
     names (TORCHELASTIC_ERROR_FILE), so that its closing summary shows it instead of `<N/A>`.
     """
 
-    def leave(line):
+    def leave(line, cause=True):
         print(line, file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             import json
             import time
 
+            # torchrun's summary calls the failure with the smallest timestamp (whole seconds) the root cause and
+            # stamps a rank it had to stop with the second it noticed, breaking ties by rank: a cause is stamped
+            # one second early so that it wins such a tie; a rank that only stopped because another failed is not.
             with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
+                json.dump({"message": line, "timestamp": int(time.time()) - cause}, f)
         sys.exit(2)
 
     @functools.wraps(main)
@@ -166,7 +169,7 @@ def exits_cleanly(main):
                       "one stopped while the group formed, or the address is unreachable (see troubleshooting)")
             if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
                 raise
-            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)")
+            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)", cause=False)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)

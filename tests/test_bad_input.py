@@ -146,7 +146,8 @@ def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure
     if failure == "offline-no-data" and launcher != "python":  # both ranks ran: the other one says why it stops
         assert stopping or "[rank 1] error:" in proc.output, proc.output
     if launcher in ("torchrun", "legacy"):
-        assert "traceback : [rank" in proc.output and "error_file: <N/A>" not in proc.output, proc.output
+        root_cause = proc.output.partition("Root Cause")[2]  # a rank torchrun stopped is listed above it, <N/A>
+        assert cause in root_cause and "<N/A>" not in root_cause, proc.output
     if failure == "offline-no-data":
         assert "python -m common.synthetic" in proc.output and "cifar-10-python.tar.gz" in proc.output
 
