@@ -52,11 +52,13 @@ def test_04_torchrun_restarts_and_resumes_to_the_same_weights(tmp_path, data, ru
     """torchrun --max-restarts restarts all workers after one is killed; --resume auto picks up the
     newest checkpoint, and the run ends bit-identical to one that was never interrupted.
     Restarts need the c10d rendezvous (--standalone, or --rdzv-backend=c10d on several machines): with
-    the static one (--master_port) the restarted ranks read the dead attempt's gloo addresses. Even
-    so, once here a restarted pair hung in gloo's connect until the group timeout: a short
-    --dist-timeout with a few restarts turns that into one more restart instead of a hang."""
+    the static one (--master_port) the restarted ranks read the dead attempt's gloo addresses. The c10d
+    rendezvous shares its store with the workers by default, and there too a restarted rank can read the
+    dead attempt's addresses (pytorch#135712, #167288): 1 run in 3 here used up its restarts on "Connection
+    refused" or hung. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt its own store (10 of 10)."""
     launcher = start([BIN / "torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=3", script(4),
-                      "--dist-timeout", "45", *data, *EPOCHS, *DDP_ARGS, "--out-dir", tmp_path, "--resume", "auto"])
+                      "--dist-timeout", "45", *data, *EPOCHS, *DDP_ARGS, "--out-dir", tmp_path, "--resume", "auto"],
+                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     status, output, _ = kill_rank_after_epoch_1(launcher, tmp_path, rank=1, timeout=240)
     assert status == 0, output[-4000:]
     assert "no checkpoint in" in output and "resumed from epoch 1" in output
