@@ -193,3 +193,34 @@ def test_a_group_that_cannot_connect_is_one_line(capsys):
     assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: cannot connect to the other processes (Gloo connectFullMesh failed") and \
         "Connection refused" in err, err
+
+
+def test_torchrun_names_our_line_as_root_cause_over_a_rank_it_stopped(tmp_path, monkeypatch, capsys):
+    """torchrun's report (torch's own ChildFailedError) when one rank failed with our line and torchrun SIGTERMed
+    the other before it could write anything, both in the same second (ties go to the lower rank): the Root
+    Cause is our line. Likewise our line wins over a rank that only says it stops because another failed."""
+    import signal
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from common.cli import PEER_LOST, UserError, exits_cleanly
+
+    def leave_with(error, local_rank):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{local_rank}.json"))
+
+        @exits_cleanly
+        def main():
+            raise error
+
+        with pytest.raises(SystemExit):
+            main()
+        return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=2, error_file=str(tmp_path / f"{local_rank}.json"))
+
+    caused = leave_with(UserError("bad.pt is not a checkpoint"), 1)
+    stopped = ProcessFailure(0, pid=100, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
+    stopped.timestamp = int(time.time())  # what torchrun gives it: the second it noticed, the same as ours
+    assert ChildFailedError("04_cifar10_ddp.py", {0: stopped, 1: caused}).get_first_failure()[0] == 1
+    lost = leave_with(RuntimeError(PEER_LOST[0]), 0)
+    assert "stopping:" in lost.message and ChildFailedError("x", {0: lost, 1: caused}).get_first_failure()[0] == 1
+    capsys.readouterr()
