@@ -143,17 +143,17 @@ def exits_cleanly(main):
     names (TORCHELASTIC_ERROR_FILE), so that its closing summary shows it instead of `<N/A>`.
     """
 
-    def leave(line, cause=True):
+    def leave(line, consequence=False):
         print(line, file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             import json
             import time
 
-            # torchrun's summary calls the failure with the smallest timestamp (whole seconds) the root cause and
-            # stamps a rank it had to stop with the second it noticed, breaking ties by rank: a cause is stamped
-            # one second early so that it wins such a tie; a rank that only stopped because another failed is not.
+            # torchrun's summary calls the failure with the smallest timestamp (whole seconds) the root cause; a tie
+            # goes to the one it lists first (ranks that exited by themselves, in rank order). A cause is stamped a
+            # second early, a rank that only stopped because another failed a second late: the cause wins the tie.
             with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time()) - cause}, f)
+                json.dump({"message": line, "timestamp": int(time.time()) + (1 if consequence else -1)}, f)
         sys.exit(2)
 
     @functools.wraps(main)
@@ -166,10 +166,12 @@ def exits_cleanly(main):
         except Exception as error:
             if CONNECT_FAILED in str(error):
                 leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)}): "
-                      "one stopped while the group formed, or the address is unreachable (see troubleshooting)")
+                      "one stopped while the group formed, or the address is unreachable (see troubleshooting)",
+                      consequence=True)
             if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
                 raise
-            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)", cause=False)
+            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)",
+                  consequence=True)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             sys.exit(130)

@@ -195,10 +195,12 @@ def test_a_group_that_cannot_connect_is_one_line(capsys):
         "Connection refused" in err, err
 
 
-def test_torchrun_names_our_line_as_root_cause_over_a_rank_it_stopped(tmp_path, monkeypatch, capsys):
-    """torchrun's report (torch's own ChildFailedError) when one rank failed with our line and torchrun SIGTERMed
-    the other before it could write anything, both in the same second (ties go to the lower rank): the Root
-    Cause is our line. Likewise our line wins over a rank that only says it stops because another failed."""
+def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's report (torch's own ChildFailedError) when the failures fall into one second: it lists the ranks
+    that exited by themselves first, in rank order, then those it stopped, and a tie goes to the first listed. The
+    Root Cause must still be our line: over a lower rank that says it stops because another failed, and over a
+    rank torchrun stopped before it wrote anything; and a cause rank killed without a word (SIGKILL, no error file)
+    must not lose to a lower rank's stopping line."""
     import signal
     import time
 
@@ -206,21 +208,28 @@ def test_torchrun_names_our_line_as_root_cause_over_a_rank_it_stopped(tmp_path, 
 
     from common.cli import PEER_LOST, UserError, exits_cleanly
 
-    def leave_with(error, local_rank):
-        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{local_rank}.json"))
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.5)  # every failure in the same second
 
-        @exits_cleanly
-        def main():
-            raise error
+    def failure(local_rank, error=None, exitcode=2):
+        """What torchrun records for a rank: exit status and the error file our exits_cleanly wrote (or none)."""
+        error_file = tmp_path / f"{local_rank}.json"
+        if error is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
 
-        with pytest.raises(SystemExit):
-            main()
-        return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=2, error_file=str(tmp_path / f"{local_rank}.json"))
+            @exits_cleanly
+            def main():
+                raise error
 
-    caused = leave_with(UserError("bad.pt is not a checkpoint"), 1)
-    stopped = ProcessFailure(0, pid=100, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none.json"))
-    stopped.timestamp = int(time.time())  # what torchrun gives it: the second it noticed, the same as ours
-    assert ChildFailedError("04_cifar10_ddp.py", {0: stopped, 1: caused}).get_first_failure()[0] == 1
-    lost = leave_with(RuntimeError(PEER_LOST[0]), 0)
-    assert "stopping:" in lost.message and ChildFailedError("x", {0: lost, 1: caused}).get_first_failure()[0] == 1
+            with pytest.raises(SystemExit):
+                main()
+        return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=exitcode, error_file=str(error_file))
+
+    def root_cause(*failures):
+        return ChildFailedError("04_cifar10_ddp.py", {f.local_rank: f for f in failures}).get_first_failure()[0]
+
+    caused = failure(1, UserError("bad.pt is not a checkpoint"))
+    assert root_cause(failure(0, RuntimeError(PEER_LOST[0])), caused) == 1
+    assert root_cause(caused, failure(0, exitcode=-signal.SIGTERM)) == 1
+    killed = failure(2, exitcode=-signal.SIGKILL)
+    assert root_cause(failure(0, RuntimeError(PEER_LOST[0])), killed) == 2
     capsys.readouterr()
