@@ -177,25 +177,31 @@ def test_a_bad_argument_under_a_launcher_is_said_once(tmp_path, cifar_dir):
     assert proc.output.count("usage: 04_cifar10_ddp.py") == 1 and 'cifar10_ddp.py", line' not in proc.output
 
 
-def test_a_group_that_cannot_connect_is_one_line(capsys):
-    """What gloo raises in init_process_group when a peer is gone while the group forms (seen in a torchrun
-    restart here): one line, exit 2, not the traceback of our setup()."""
+def exit_of(error):
+    """Raise `error` in a main() wrapped by common.cli.exits_cleanly, as every script's main is; its exit status."""
     from common.cli import exits_cleanly
 
     @exits_cleanly
     def main():
-        raise RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
-                           "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:31155")
+        raise error
 
     with pytest.raises(SystemExit) as exit_:
         main()
+    return exit_.value.code
+
+
+def test_a_group_that_cannot_connect_is_one_line(capsys):
+    """What gloo raises in init_process_group when a peer is gone while the group forms (seen in a torchrun
+    restart here): one line, exit 2, not the traceback of our setup()."""
+    status = exit_of(RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
+                                  "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:31155"))
     err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert status == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: cannot connect to the other processes (Gloo connectFullMesh failed") and \
         "Connection refused" in err, err
 
 
-def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch, capsys):
+def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch):
     """torchrun's report (torch's own ChildFailedError) when the failures fall into one second: it lists the ranks
     that exited by themselves first, in rank order, then those it stopped, and a tie goes to the first listed. The
     Root Cause must still be our line: over a lower rank that says it stops because another failed, and over a
@@ -206,7 +212,7 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch, capsys):
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from common.cli import PEER_LOST, UserError, exits_cleanly
+    from common.cli import PEER_LOST, UserError
 
     monkeypatch.setattr(time, "time", lambda: 1_000_000.5)  # every failure in the same second
 
@@ -215,13 +221,7 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch, capsys):
         error_file = tmp_path / f"{local_rank}.json"
         if error is not None:
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-
-            @exits_cleanly
-            def main():
-                raise error
-
-            with pytest.raises(SystemExit):
-                main()
+            assert exit_of(error) == exitcode
         return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=exitcode, error_file=str(error_file))
 
     def root_cause(*failures):
@@ -232,4 +232,3 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch, capsys):
     assert root_cause(caused, failure(0, exitcode=-signal.SIGTERM)) == 1
     killed = failure(2, exitcode=-signal.SIGKILL)
     assert root_cause(failure(0, RuntimeError(PEER_LOST[0])), killed) == 2
-    capsys.readouterr()
