@@ -2,10 +2,11 @@
 
 What changes from step 01: pick the device (a GPU if there is one, else the CPU, said in one
 line), let cuDNN pick its fastest convolutions, and copy batches from pinned memory without
-blocking. --amp auto now means fp16 on the GPU, where the GradScaler of step 01 starts to act.
+blocking. --amp auto: bf16 on GPUs that compute it natively (Ampere on), fp16 on older ones, where
+the GradScaler of step 01 starts to act.
 
     python 02_cifar10_gpu.py                          # GPU 0 (CUDA_VISIBLE_DEVICES picks another)
-    python 02_cifar10_gpu.py --amp bf16               # bf16 on Ampere or newer: no loss scaling needed
+    python 02_cifar10_gpu.py --amp fp16               # fp16 with loss scaling (GradScaler)
     python 02_cifar10_gpu.py --arch cnn --epochs 3    # runs on the CPU too (bf16 autocast)
 """
 import itertools
@@ -40,8 +41,8 @@ def setup(args):
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
-        print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
-    return device, amp_dtype(args.amp, device)  # GPU: fp16 by default, bf16 on the CPU
+        print("no CUDA GPU found: running on the CPU")
+    return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
 
 
 # ----------------------------------------------------------------------------- data

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
-from common import checkpoint, data, metrics, models, preempt
+from common import checkpoint, data, metrics, models, precision, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
@@ -40,8 +40,8 @@ def setup(args):
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
-        print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
-    return device, amp_dtype(args.amp, device)  # GPU: fp16 by default, bf16 on the CPU
+        print("no CUDA GPU found: running on the CPU")
+    return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
 
 
 # ----------------------------------------------------------------------------- data
@@ -154,6 +154,7 @@ def main(argv=None):
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
+    precision.autocast_in_threads(model.module, device.type, amp_dtype)  # DataParallel: each replica thread, our dtype
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC

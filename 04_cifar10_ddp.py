@@ -6,7 +6,6 @@ gradients during backward. Only rank 0 prints and saves. No launcher: --spawn N,
 
     torchrun --nproc_per_node=4 04_cifar10_ddp.py
     python -m torch.distributed.launch --nproc_per_node=4 04_cifar10_ddp.py   # legacy launcher
-    torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=4 04_cifar10_ddp.py
 """
 import contextlib
 import datetime
@@ -59,7 +58,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
         if rank == 0:  # DDP: one line, not one per process
-            print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
+            print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # DDP: nccl moves GPU tensors, gloo CPU ones

@@ -63,7 +63,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
         if rank == 0:  # DDP: one line, not one per process
-            print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
+            print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     # DeepSpeed: joins the group as init_process_group does (nccl for GPUs, gloo for CPUs), from the same variables.
@@ -193,7 +193,8 @@ def resume(args, engine, start_epoch, steps_per_epoch):
     found = deepspeed_support.engine_checkpoint(args.resume, args.out_dir)
     if found is None:  # DeepSpeed: fresh, or weights only: the schedule goes to where that epoch ended
         checkpoint.place_schedule(engine.lr_scheduler, start_epoch * steps_per_epoch)
-        return start_epoch, start_epoch * steps_per_epoch, {}
+        engine.global_steps = start_epoch * steps_per_epoch  # DeepSpeed: its step count, saved in its checkpoints
+        return start_epoch, engine.global_steps, {}
     folder, client = deepspeed_support.load_engine(engine, found, args.resume, STEP)  # DeepSpeed: each rank its shard
     if dist.get_rank() == 0:
         print(f"resumed from {checkpoint.describe(client)}, DeepSpeed checkpoint {folder}")
@@ -228,7 +229,7 @@ def main(argv=None):
         train_loader.dataset.set_epoch(epoch)
         row = {"epoch": epoch, **train_one_epoch(engine, train_loader, device, memory_format, epoch, args.grad_accum,
                                                  stop, part_done.get(epoch))}
-        global_step = engine.lr_scheduler.last_epoch  # optimizer steps so far (DeepSpeed: the engine's schedule)
+        global_step = engine.global_steps  # DeepSpeed: optimizer steps, also those skipped on fp16 overflow (unscheduled)
         for buffer in engine.module.buffers():  # DeepSpeed: never synced by the engine (DDP does): take rank 0's
             dist.broadcast(buffer, 0)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated

@@ -49,7 +49,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
         if rank == 0:  # DDP: one line, not one per process
-            print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
+            print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     horovod_support.share_cores(hvd)  # Horovod: horovodrun does not set OMP_NUM_THREADS (torchrun does)

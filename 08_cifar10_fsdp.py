@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
@@ -60,7 +61,7 @@ def setup(args):
     else:
         device = torch.device("cpu")
         if rank == 0:  # DDP: one line, not one per process
-            print("no CUDA GPU found: running on the CPU (bf16 autocast instead of fp16)")
+            print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # DDP: nccl moves GPU tensors, gloo CPU ones
@@ -94,13 +95,15 @@ def build_model(args, device, amp_dtype):
     model = models.build_model(args.arch).to(device)  # FSDP: NCHW weights (--channels-last: NHWC batches only)
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # FSDP: one dimension: shard over every rank
-    # FSDP: on a GPU in bf16, the policy casts: bf16 weights for compute, gradients reduced in fp32. Elsewhere fp32
-    # shards, with the loop's autocast as in 04 (a bf16 policy on the CPU fails for batch norm in a larger unit).
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" and amp_dtype == torch.bfloat16 else MixedPrecisionPolicy()
-    for block in models.blocks(model):  # FSDP: a unit per block: its weights are all-gathered just before it runs
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP: the root unit: every weight not in a block
+    # FSDP: the policy casts (not autocast): 16-bit weights for compute and all-gathers, fp32 shards for the optimizer,
+    # gradients reduced in fp32, fp32 logits. Batch norm keeps fp32 weights beside its fp32 statistics, in units of its
+    # own (torch's kernels take 16-bit inputs with fp32 weights, not 16-bit weights with fp32 statistics).
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+    for norm in fsdp_support.batch_norms(model):
+        fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=amp_dtype))
+    for unit in fsdp_support.units(model):  # FSDP: a unit per block, layer: all-gathered just before it runs
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(amp_dtype, torch.float32, torch.float32))
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -108,7 +111,8 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
+    # FSDP: each rank sees only its shards' gradients: ShardedGradScaler all-reduces "overflow", so all skip alike.
+    scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
     return optimizer, scheduler, scaler
 
 
@@ -207,7 +211,6 @@ def main(argv=None):
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, amp_dtype)
-    amp_dtype = None if device.type == "cuda" and amp_dtype == torch.bfloat16 else amp_dtype  # FSDP: the policy casts
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
@@ -215,6 +218,7 @@ def main(argv=None):
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
     if rank == 0:
         print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
+    amp_dtype = None  # FSDP: no autocast in the loop: the MixedPrecisionPolicy of build_model casts
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
@@ -223,6 +227,8 @@ def main(argv=None):
                                                  amp_dtype, memory_format, epoch, args.grad_accum, stop,
                                                  part_done.get(epoch))}
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
+        for buffer in model.buffers():  # FSDP: never synced (DDP broadcasts them): rank 0's batch-norm statistics
+            dist.broadcast(buffer, 0)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)  # FSDP: all ranks

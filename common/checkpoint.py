@@ -6,7 +6,7 @@ run code is refused):
     format       "cifar10-parallel/1"
     step         the script that wrote it, e.g. "04_cifar10_ddp"
     arch         the --arch of the model
-    model        state_dict of the bare model: never a `module.` prefix
+    model        state_dict of the bare model: never a `module.` prefix; tensors contiguous (NCHW)
     optimizer    optimizer.state_dict(), or None (DeepSpeed exports keep theirs in the engine checkpoint)
     scheduler    LR scheduler state_dict, or None
     scaler       torch.amp.GradScaler state_dict, or None
@@ -94,8 +94,8 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
     of them, and of the part-way ones only the newest file. Returns the path."""
     state = {
         "format": FORMAT, "step": step, "arch": arch,
-        "model": model_state,
-        "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # an optimizer, or its state (or None)
+        "model": contiguous(model_state),
+        "optimizer": contiguous(getattr(optimizer, "state_dict", lambda: optimizer)()),  # optimizer, state or None
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "epoch": epochs_done(epoch, metrics), "global_step": global_step, "rng": rng_states(),
@@ -113,6 +113,18 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
     for old in superseded(list_checkpoints(out_dir), keep):
         os.remove(old)
     return path
+
+
+def contiguous(state):
+    """A state_dict (nested dicts and lists) with every tensor in the plain layout: a run with --channels-last keeps
+    NHWC weights and momentum, which a step that runs NCHW would load as they are (Horovod's broadcast refuses them)."""
+    if isinstance(state, torch.Tensor):
+        return state.contiguous()
+    if isinstance(state, dict):
+        return {key: contiguous(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(contiguous(value) for value in state)
+    return state
 
 
 def superseded(newest_first, keep=3):

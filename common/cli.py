@@ -119,7 +119,8 @@ def shared_parser(description, step):
     parser.add_argument("--arch", choices=sorted(ARCHS), default="resnet18",
                         help="resnet18 (default) or cnn (small and fast, for smoke runs)")
     parser.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
-                        help="mixed precision: auto = fp16 on GPU, bf16 on CPU; off = fp32 (default auto)")
+                        help="mixed precision: auto = bf16 on the CPU and on GPUs with native bf16 (Ampere on), fp16 on older GPUs; "
+                             "off = fp32 (default auto)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                         help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
     parser.add_argument("--compile", action="store_true",
@@ -180,10 +181,23 @@ def exits_cleanly(main):
 
 
 def amp_dtype(choice, device):
-    """The autocast dtype of --amp on `device` (None = fp32). auto: fp16 on a GPU, bf16 on the CPU."""
+    """The autocast dtype of --amp on `device` (None = fp32); amp_choice() says why."""
+    return amp_choice(choice, device)[0]
+
+
+def amp_choice(choice, device):
+    """(dtype or None, why). auto: bf16 where it is computed natively (the CPU's autocast, GPUs from Ampere on: no loss
+    scaling needed), fp16 with loss scaling (GradScaler) on older GPUs, whose bf16 would only be emulated."""
     import torch
 
-    amp = {"auto": "fp16" if device.type == "cuda" else "bf16"}.get(choice, choice)
-    if amp == "fp16" and device.type != "cuda":
+    if choice == "fp16" and device.type != "cuda":
         raise UserError("--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off")
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}
+    if choice != "auto":
+        return dtypes[choice], "as asked"
+    if device.type != "cuda":
+        return torch.bfloat16, "auto: bf16 on the CPU"
+    name = torch.cuda.get_device_name(device)
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16, f"auto: {name} computes bf16 natively"
+    return torch.float16, f"auto: {name} has no native bf16, so fp16 with loss scaling"

@@ -13,9 +13,12 @@ of processes, the batch size or the worker count. That is what makes a resumed r
 two processes, follow exactly the same path as an uninterrupted single-process run.
 Normalisation happens inside the model (see models.Normalize), on the device.
 """
+import contextlib
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +67,15 @@ def prepare_cifar10(data_dir, download=True):
         raise UserError(f"CIFAR-10 is incomplete in {data_dir} (missing {', '.join(missing)}): " + _remedies(data_dir))
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(60)  # a firewall that drops packets fails the download instead of hanging it
+    private = None
     try:
         os.makedirs(data_dir, exist_ok=True)
-        _CIFAR10Folder(data_dir, train=True, download=True)
+        # Into a folder of this process's own, then renamed into place in one step: processes on other machines that
+        # share data_dir (one per node downloads) never see a half-extracted folder, and the first rename wins.
+        private = tempfile.mkdtemp(prefix=".download-", dir=data_dir)
+        _CIFAR10Folder(private, train=True, download=True)
+        with contextlib.suppress(OSError):  # the target exists: another process was first (with the same files)
+            os.rename(os.path.join(private, FOLDER), os.path.join(data_dir, FOLDER))
     except PermissionError as error:
         raise UserError(f"cannot write to --data-dir {data_dir} ({error.strerror}): pick a writable folder") from None
     except Exception as error:  # urllib, socket and ssl errors all mean "could not download"
@@ -74,6 +83,8 @@ def prepare_cifar10(data_dir, download=True):
                         f"({type(error).__name__}: {error}): " + _remedies(data_dir)) from None
     finally:
         socket.setdefaulttimeout(previous_timeout)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def is_synthetic(data_dir):

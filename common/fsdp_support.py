@@ -12,12 +12,31 @@ import pickle
 import shutil
 
 import torch.distributed as dist
+import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_model_state_dict, set_optimizer_state_dict,
                                                      set_state_dict)
 
 from .checkpoint import DCP_DIR, superseded
+
+def units(model):
+    """The modules that become FSDP units of their own, in forward order: the model's children that hold weights, with
+    nn.Sequential and nn.ModuleList opened up (ResNet-18: the stem convolution, each residual block, the classifier;
+    the cnn: each layer), batch norms left out (batch_norms()). Each unit's input is cast to the policy's dtype."""
+    found = []
+    for child in model.children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList)):
+            found += units(child)
+        elif not isinstance(child, nn.modules.batchnorm._BatchNorm) and any(True for _ in child.parameters()):
+            found.append(child)
+    return found
+
+
+def batch_norms(model):
+    """Every batch norm (SyncBatchNorm too): FSDP units of their own, with fp32 weights."""
+    return [module for module in model.modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 SCATTER = StateDictOptions(full_state_dict=True)  # whole tensors in, this rank's shards kept

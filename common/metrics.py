@@ -55,10 +55,17 @@ def read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+_PRECISION = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}
+
+
 def start_line(step, args, device, precision, train_loader, synthetic, processes=None, prefix=""):
     """The run's first line: model, devices, precision, batch arithmetic, data. `processes` None: one process."""
     steps, images = len(train_loader) // args.grad_accum, len(train_loader.dataset)
-    precision = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}.get(str(precision), precision)
+    if args.amp == "auto" and not isinstance(precision, str):  # say what auto chose, and why
+        from .cli import amp_choice
+
+        precision = f"{_PRECISION[str(precision)]} ({amp_choice(args.amp, device)[1]})"
+    precision = _PRECISION.get(str(precision), precision)
     if processes is None:
         batch = f"batch {args.batch_size} x {args.grad_accum} accumulation"
         where = device

@@ -85,11 +85,5 @@ class SmallCNN(nn.Module):
 ARCHS = {"resnet18": ResNet18, "cnn": SmallCNN}
 
 
-def blocks(model):
-    """The units to shard one by one (step 08): ResNet-18's residual blocks, the small cnn's convolutions."""
-    kind = BasicBlock if isinstance(model, ResNet18) else nn.Conv2d
-    return [module for module in model.modules() if isinstance(module, kind)]
-
-
 def build_model(arch, num_classes=10):
     return ARCHS[arch](num_classes)

@@ -39,7 +39,18 @@ def run(cmd, timeout=300, check=True, **env_extra):
     proc.output = proc.stdout
     if check and proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.output[-6000:]}", pytrace=False)
+    assert_ranks_agree(cmd)
     return proc
+
+
+def assert_ranks_agree(cmd):
+    """Every run a test starts ends with the same state on every rank: the weights-rankN.sha256 files (a hash of
+    every tensor of the state_dict, batch-norm statistics too) in its --out-dir are all equal."""
+    words = [str(c) for c in cmd]
+    for i, word in enumerate(words[:-1]):
+        if word == "--out-dir":
+            found = digests(words[i + 1])
+            assert len(set(found.values())) <= 1, f"the ranks ended with different states: {found}\n{' '.join(words)}"
 
 
 def launch_command(launcher, nproc, number):

@@ -157,3 +157,18 @@ def test_an_export_of_other_batch_arithmetic_continues_in_01_by_progress(data, t
               "--out-dir", tmp_path / "05")
     assert_01_continues_by_progress(checkpoint_epoch(tmp_path / "05", 1), data, tmp_path / "01")
 
+
+
+def test_steps_the_engine_skips_on_overflow_still_count(data, tmp_path):
+    """fp16 (--amp auto on GPUs without native bf16): DeepSpeed skips a step whose gradients overflowed, and does not
+    step the schedule then. The checkpoint's global_step must still count it: it places the schedule when another
+    step continues the checkpoint. On the CPU DeepSpeed checks bf16 gradients too when the config asks, and a huge
+    learning rate makes every gradient after the first step non-finite."""
+    config = json.loads((REPO / "ds_config.json").read_text())
+    config["bf16"]["check_grad_overflow"] = True
+    (tmp_path / "overflow.json").write_text(json.dumps(config))
+    proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "128", "--amp", "bf16", "--lr", "1e30",
+                     "--stop-after", "1", "--deepspeed_config", tmp_path / "overflow.json", "--out-dir", tmp_path / "o")
+    assert "OVERFLOW! Skipping step" in proc.output
+    state = load_checkpoint(checkpoint_epoch(tmp_path / "o", 1))
+    assert state["global_step"] == state["metrics"]["steps"] == 1280 // 256, state["metrics"]

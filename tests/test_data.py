@@ -73,3 +73,57 @@ def test_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         data.prepare_cifar10(str(tmp_path / "f"))
+
+
+# A download as torchvision's CIFAR10 does it (download_and_extract_archive into its root). With a third argument
+# it stops half-way (batches.meta not yet there) until that file exists.
+SLOW_DOWNLOAD = """
+import os, sys, time
+from common import data, synthetic
+import torchvision.datasets.cifar
+
+def download_and_extract_archive(url, root, filename=None, md5=None):
+    folder = synthetic.write_synthetic_cifar10(root, train_size=50, test_size=10)
+    if len(sys.argv) > 2:
+        os.rename(os.path.join(folder, "batches.meta"), os.path.join(root, "meta.part"))
+        open(sys.argv[2] + ".half-way", "w").close()
+        for _ in range(600):
+            if os.path.exists(sys.argv[2]):
+                break
+            time.sleep(0.1)
+        os.rename(os.path.join(root, "meta.part"), os.path.join(folder, "batches.meta"))
+
+torchvision.datasets.cifar.download_and_extract_archive = download_and_extract_archive
+data.prepare_cifar10(sys.argv[1])
+print(sorted(os.listdir(sys.argv[1])), data._missing_files(sys.argv[1]))
+"""
+
+
+def test_two_machines_downloading_into_one_shared_folder_both_succeed(tmp_path):
+    """Local rank 0 of every node downloads (step 04's barrier is per node); on a shared file system they write into
+    the same --data-dir at the same time. Each downloads into a folder of its own and renames it into place: the
+    second never sees the first's half-written folder, and the folder ends complete, with no leftovers."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO, env
+
+    shared, go = tmp_path / "shared", tmp_path / "go"
+
+    def start(*hold):
+        return subprocess.Popen([sys.executable, "-c", SLOW_DOWNLOAD, str(shared), *map(str, hold)], cwd=REPO,
+                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = start(go)  # holds half-way through its files until `go` exists
+    while not (tmp_path / "go.half-way").exists():
+        assert first.poll() is None, first.communicate()[0]
+        time.sleep(0.02)
+    second = start()
+    outputs = [second.communicate(timeout=120)[0]]
+    go.touch()
+    outputs.insert(0, first.communicate(timeout=120)[0])
+    assert [first.returncode, second.returncode] == [0, 0], outputs
+    assert all(output.strip().endswith("] []") for output in outputs), outputs  # nothing missing, for either
+    assert sorted(p.name for p in shared.iterdir()) == ["cifar-10-batches-py"], "no download folder left behind"
+    assert len(data.cifar10_datasets(str(shared))[0]) == 50

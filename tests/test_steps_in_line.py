@@ -31,6 +31,7 @@ PAIRS = [
     ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:", 120),
     ("04_cifar10_ddp.py", "08_cifar10_fsdp.py", "FSDP:", 120),
 ]
+MARKERS = {step: marker for _, step, marker, _ in PAIRS}  # a script's own lesson marker
 MAX_LINES, MAX_LINES_01 = 260, 180
 SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
             "train one epoch", "evaluate", "checkpoint", "main"]
@@ -84,6 +85,7 @@ def unexplained_changes(base, step, marker):
     problems = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
         removed, added = not_plumbing(a[i1:i2], b[j1:j2]) if tag != "equal" else ([], [])
+        removed = [line for line in removed if f"# {MARKERS.get(base)}" not in line]  # the old method's own lines go
         if not removed and not added:
             continue
         nearby = b[max(0, j1 - CONTEXT):j2 + CONTEXT]

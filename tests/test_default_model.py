@@ -1,0 +1,115 @@
+"""The default model, ResNet-18 with its 20 batch-norm layers, in every step through the step's own launcher.
+
+The small cnn normalises with GroupNorm, which hides what batch norm brings: running statistics that are buffers
+(not parameters, so no gradient all-reduce keeps them equal), statistics per process, and their precision. So the
+steps run ResNet-18 here, on a small fixed set (64 training images, `--easy`), with a learning rate that suits it:
+
+* fp32, 2 epochs: one process x 16 images (01, 02, 03), two processes x 8 (04 to 08). Two processes sum each
+  gradient in one addition (a + b is b + a), so every distributed step trains exactly as DDP does: 04's run is the
+  reference that each other step must end at bit for bit, after a stop and a resume (05, 07, 08) or after
+  continuing 04's checkpoint (06). The training loss falls from epoch 1 to epoch 2.
+* bf16 (the default precision on a CPU), 1 epoch on 16 images: 01's autocast (which 02-04, 06 and 07 share),
+  05's engine (bf16 weights) and 08's MixedPrecisionPolicy (bf16 units, fp32 batch norm).
+
+Every run also passes helpers.run's check that its ranks end with equal states (weights-rankN.sha256: a hash of
+every tensor of the state_dict, buffers included).
+"""
+import pytest
+
+from helpers import (PYTHON, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
+
+RESNET = ["--arch", "resnet18", "--workers", "0", "--seed", "0", "--lr", "0.005"]
+FP32 = [*RESNET, "--amp", "off", "--epochs", "2"]
+ONE, TWO = [*FP32, "--batch-size", "16"], [*FP32, "--batch-size", "8"]
+
+
+@pytest.fixture(scope="session")
+def resnet_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data") / "resnet"
+    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "64", "--test-size", "32"])
+    return ["--data-dir", root]
+
+
+def launch(launcher, nproc, number, *args, **kw):
+    return run([*launch_command(launcher, nproc, number), *args], DS_ACCELERATOR="cpu", **kw)
+
+
+def rows(out_dir):
+    return [(row["epoch"], row["train_loss"], row["test_loss"], row["test_acc"]) for row in metrics(out_dir)]
+
+
+def assert_learns_with_batch_norm(out_dir, ranks):
+    (_, loss1, *_), (_, loss2, *_) = rows(out_dir)
+    assert loss2 < loss1 - 0.1, f"the training loss did not fall: {rows(out_dir)}"
+    state = load_checkpoint(checkpoint_epoch(out_dir, 2))
+    assert state["arch"] == "resnet18" and "layers.0.bn1.running_mean" in state["model"], "buffers are checkpointed"
+    assert sorted(digests(out_dir)) == list(range(ranks))
+
+
+@pytest.fixture(scope="session")
+def resnet01(resnet_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resnet01")
+    run([PYTHON, script(1), *resnet_data, *ONE, "--out-dir", out])
+    return out
+
+
+@pytest.fixture(scope="session")
+def resnet04(resnet_data, tmp_path_factory):
+    """The reference of the distributed steps: 04 under torchrun, 2 processes x 8 images, uninterrupted."""
+    out = tmp_path_factory.mktemp("resnet04")
+    launch("torchrun", 2, 4, *resnet_data, *TWO, "--out-dir", out)
+    return out
+
+
+def test_01_learns_and_02_stopped_then_03_resumed_ends_exactly_there(resnet01, resnet_data, tmp_path):
+    assert_learns_with_batch_norm(resnet01, ranks=1)
+    run([PYTHON, script(2), *resnet_data, *ONE, "--out-dir", tmp_path, "--stop-after", "1"])
+    resumed = run([PYTHON, script(3), *resnet_data, *ONE, "--out-dir", tmp_path, "--resume", "auto"])
+    assert "resumed from epoch 1 (written by 02_cifar10_gpu)" in resumed.output
+    assert rows(tmp_path) == rows(resnet01) and digests(tmp_path) == digests(resnet01)
+
+
+def test_04_learns_with_identical_replicas(resnet04):
+    assert_learns_with_batch_norm(resnet04, ranks=2)
+
+
+# How each distributed step gets to the end of epoch 2: (launcher, then [launcher, extra arguments] per launch).
+CONTINUED = {
+    5: [("deepspeed", ["--stop-after", "1"]), ("deepspeed", ["--resume", "auto"])],  # the engine's checkpoint
+    6: [("horovodrun", ["--resume", "FROM_04"])],  # 04's epoch-1 checkpoint, momentum and batch-norm statistics
+    7: [("legacy", ["--stop-after", "1"]), ("torchrun", ["--resume", "auto"])],  # the launcher of old tutorials
+    8: [("torchrun", ["--stop-after", "1"]), ("torchrun", ["--resume", "auto"])],  # its sharded DCP checkpoint
+}
+
+
+@pytest.mark.parametrize("number", sorted(CONTINUED), ids=[f"{n:02d}" for n in sorted(CONTINUED)])
+def test_each_distributed_step_ends_exactly_where_ddp_does(number, resnet04, resnet_data, tmp_path):
+    for launcher, extra in CONTINUED[number]:
+        extra = [str(checkpoint_epoch(resnet04, 1)) if word == "FROM_04" else word for word in extra]
+        output = launch(launcher, 2, number, *resnet_data, *TWO, "--out-dir", tmp_path, *extra).output
+    assert "resumed from epoch 1" in output, output
+    assert sorted(digests(tmp_path)) == [0, 1]
+    assert rows(tmp_path)[-1] == rows(resnet04)[-1], "epoch 2 as 04 logged it"
+    assert digests(tmp_path) == digests(resnet04), "every tensor, batch-norm statistics included, as 04's"
+
+
+BF16 = {1: ("python", 1, "8"), 5: ("deepspeed", 2, "4"), 8: ("torchrun", 2, "4")}  # launcher, processes, batch
+
+
+@pytest.fixture(scope="session")
+def bf16_data(tmp_path_factory):
+    """bf16 is emulated on CPUs without AVX512-BF16 (ResNet-18: about 1 image/s): a set of 16 images."""
+    root = tmp_path_factory.mktemp("data") / "bf16"
+    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "16", "--test-size", "8"])
+    return ["--data-dir", root]
+
+
+@pytest.mark.parametrize("number", sorted(BF16), ids=[f"{n:02d}" for n in sorted(BF16)])
+def test_bf16_the_default_precision_on_the_cpu(number, bf16_data, tmp_path):
+    launcher, nproc, batch = BF16[number]
+    output = launch(launcher, nproc, number, *bf16_data, *RESNET, "--epochs", "1", "--batch-size", batch,
+                    "--out-dir", tmp_path).output  # --amp auto
+    assert "resnet18 on" in output and "amp bf16 (auto: bf16 on the CPU)" in output, output
+    (row,) = metrics(tmp_path)
+    assert 1.5 < row["train_loss"] < 4 and row["test_loss"] < 4, row  # finite, near ln(10) after 2 steps
+    assert sorted(digests(tmp_path)) == list(range(nproc))

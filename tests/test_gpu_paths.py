@@ -1,0 +1,173 @@
+"""The code that a GPU runs, run on the CPU wherever the library allows it, so that CI proves it.
+
+* --amp auto: bf16 where it is native (the CPU; GPUs from Ampere on), fp16 with loss scaling on older GPUs.
+* Step 03: DataParallel runs each replica in a thread of its own, which parallel_apply puts under autocast with
+  `enabled` alone; a new thread's autocast dtype is the default one. The CPU shows the same thread state (its
+  default is bf16), so fp16 here plays the part bf16 plays on a GPU (whose default is fp16).
+* GradScaler in fp16 (what --amp auto gives on older GPUs): a step whose gradients overflow is skipped, the scale
+  halves, and the scale travels in the checkpoint. fp16 autocast exists on this CPU (slowly): a few small steps.
+* Step 08: its MixedPrecisionPolicy in bf16 and fp16 (ShardedGradScaler) on the CPU, as on a GPU.
+"""
+import runpy
+import threading
+
+import pytest
+import torch
+
+from common import models, precision
+from common.cli import UserError
+from helpers import SMOKE, script
+
+
+def test_auto_precision_is_bf16_where_native_and_fp16_on_older_gpus(monkeypatch):
+    from common.cli import amp_choice
+
+    assert amp_choice("auto", torch.device("cpu")) == (torch.bfloat16, "auto: bf16 on the CPU")
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert amp_choice("auto", gpu) == (torch.float16, "auto: Tesla T4 has no native bf16, so fp16 with loss scaling")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert amp_choice("auto", gpu) == (torch.bfloat16, "auto: NVIDIA H100 computes bf16 natively")
+    assert amp_choice("fp16", gpu)[0] == torch.float16 and amp_choice("off", gpu)[0] is None
+    with pytest.raises(UserError, match="--amp fp16 needs a CUDA GPU"):
+        amp_choice("fp16", torch.device("cpu"))
+
+
+def in_a_replica_thread(module, images):
+    """What DataParallel's parallel_apply does for each replica (torch 2.13, nn/parallel/parallel_apply.py): a new
+    thread that enters `torch.amp.autocast(device_type, enabled=<the caller's>)` (no dtype) and calls the replica."""
+    enabled, out = torch.is_autocast_enabled("cpu"), {}
+
+    def worker():
+        with torch.amp.autocast("cpu", enabled=enabled):
+            out["logits"] = module(images)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    return out["logits"]
+
+
+def test_03_replicas_compute_in_the_runs_dtype_in_their_threads(tmp_path):
+    step = runpy.run_path(script(3), run_name="step03")
+    assert "precision.autocast_in_threads(model.module, device.type, amp_dtype)" in open(script(3)).read()
+    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE])
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        # The cause: a replica thread started under autocast computes in the thread's default dtype (the CPU's bf16).
+        assert in_a_replica_thread(models.build_model("cnn"), images).dtype == torch.bfloat16
+        model = step["build_model"](args, torch.device("cpu"))
+        precision.autocast_in_threads(model.module, "cpu", torch.float16)  # as step 03's main() does
+        # The fix: the replica (a copy of model.module, with its hooks) sets the run's dtype before its forward.
+        assert in_a_replica_thread(model.module, images).dtype == torch.float16
+        assert model(images).dtype == torch.float16  # and the passthrough in this thread is unchanged
+
+
+class NoStop:
+    """In place of preempt.Stop: no signal is ever asked about."""
+
+    def requested(self):
+        return False
+
+
+def small_loader(count=4, batch=4):
+    from common.data import CIFAR10Tensors
+    from common.synthetic import make_images
+
+    images, labels = make_images(count, seed=0, kind="easy")
+    return torch.utils.data.DataLoader(CIFAR10Tensors(images, labels, train=True), batch_size=batch)
+
+
+def overflowing(scaler, scale=2.0 ** 40):
+    """The scaler with a scale so large that fp16 gradients overflow: the first step must be skipped."""
+    scaler.load_state_dict({**scaler.state_dict(), "scale": scale})
+    return scaler
+
+
+def weights(model):
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the_checkpoint(tmp_path):
+    step = runpy.run_path(script(1), run_name="step01")
+    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--out-dir", str(tmp_path)])
+    cpu, fp16 = torch.device("cpu"), torch.float16
+    model = step["build_model"](args, cpu)
+    optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
+    assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
+    train = lambda epoch: step["train_one_epoch"](model, small_loader(), optimizer, scheduler, scaler, cpu, fp16,  # noqa: E731
+                                                  torch.channels_last, epoch, 1, NoStop(), None)
+    before = weights(model)
+    overflowing(scaler)
+    train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
+    assert scaler.get_scale() == 2.0 ** 39, "an overflow halves the scale"
+    assert all(torch.equal(before[name], tensor) for name, tensor in weights(model).items()), "and skips the step"
+    overflowing(scaler, 2.0 ** 8)
+    train(2)  # a scale that fits: the step is taken
+    assert scaler.get_scale() == 2.0 ** 8 and not torch.equal(before["classifier.weight"], model.classifier.weight)
+    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, True)
+    model2 = step["build_model"](args, cpu)
+    optimizer2, scheduler2, scaler2 = step["build_optimizer"](args, model2, 1, cpu, fp16)
+    args.resume = path
+    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
+    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """A gloo process group of one process in this one, as a launcher would set it up."""
+    import torch.distributed as dist
+
+    from common.launchers import free_port
+
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_one, tmp_path):
+    """The bf16 MixedPrecisionPolicy with the default model: uint8 images in, bf16 convolutions, fp32 batch norm
+    (weights beside its fp32 statistics), fp32 logits, and a backward that goes through."""
+    step = runpy.run_path(script(8), run_name="step08")
+    args = step["parse_args"](["--data-dir", str(tmp_path), "--arch", "resnet18"])
+    model = step["build_model"](args, torch.device("cpu"), torch.bfloat16)
+    seen = {}
+    for name in ("conv1", "bn1", "linear", "layers.0.conv1", "layers.0.bn1"):
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(lambda m, inputs, name=name: seen.update(
+            {name: (inputs[0].dtype, m.weight.dtype)}))
+    logits = model(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert seen == {"conv1": (bf16, bf16), "bn1": (bf16, fp32), "linear": (bf16, bf16),
+                    "layers.0.conv1": (bf16, bf16), "layers.0.bn1": (bf16, fp32)}, seen
+    assert logits.dtype == fp32
+    logits.sum().backward()
+    assert all(p.grad is not None and p.dtype == fp32 for p in model.parameters()), "fp32 shards for the optimizer"
+
+
+def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from common.fsdp_support import full_model
+
+    step = runpy.run_path(script(8), run_name="step08")
+    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4"])
+    cpu, fp16 = torch.device("cpu"), torch.float16
+    model = step["build_model"](args, cpu, fp16)
+    optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
+    assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
+    train = lambda epoch: step["train_one_epoch"](model, small_loader(), optimizer, scheduler, scaler, cpu, None,  # noqa: E731
+                                                  torch.channels_last, epoch, 1, NoStop(), None)
+    before = {name: tensor.clone() for name, tensor in full_model(model).items()}  # with one rank: the live tensors
+    overflowing(scaler)
+    train(1)
+    assert scaler.get_scale() == 2.0 ** 39
+    assert all(torch.equal(before[name], tensor) for name, tensor in full_model(model).items()), "the step is skipped"
+    overflowing(scaler, 2.0 ** 8)
+    train(2)
+    assert not torch.equal(before["classifier.weight"], full_model(model)["classifier.weight"]), "this one is taken"
