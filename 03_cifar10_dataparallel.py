@@ -7,15 +7,12 @@ Checkpoints save model.module (no `module.` prefix). Without GPUs it simply call
     python 03_cifar10_dataparallel.py                          # all visible GPUs
     CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py # only GPUs 0 and 1
 """
-import itertools
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader
 
 from common import checkpoint, data, metrics, models, precision, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
@@ -23,7 +20,6 @@ from common.schedule import warmup_cosine
 
 STEP = "03_cifar10_dataparallel"
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
-LOG_EVERY = 20  # steps between progress-bar loss updates
 
 
 # ----------------------------------------------------------------------------- argument parsing
@@ -34,13 +30,14 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    torch.manual_seed(args.seed)
     if torch.cuda.is_available():  # GPU: use one if there is one; otherwise say so once and carry on on the CPU
         device = torch.device("cuda", 0)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
         print("no CUDA GPU found: running on the CPU")
+    checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
+    torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
 
 
@@ -48,8 +45,7 @@ def setup(args):
 def build_data(args):
     data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
-    # Shuffle with our own generator, re-seeded every epoch: a resumed run sees the same batches.
-    sampler = RandomSampler(train_set, generator=torch.Generator())
+    sampler = preempt.ShuffledSampler(train_set, seed=args.seed)  # an order that depends on (seed, epoch) alone
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
                               pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
@@ -78,35 +74,25 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
-                    stop, part):
+def train_one_epoch(model, batches, optimizer, scheduler, scaler, device, amp_dtype):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
-    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
-               leave=False, disable=not sys.stderr.isatty())
-    start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar, first):
+    for step, (images, labels) in enumerate(batches):  # whole accumulation groups (batches: see main)
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        images = images.to(device, non_blocking=True, memory_format=batches.memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % grad_accum == 0
+        last_pass = (step + 1) % batches.grad_accum == 0
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
-        scaler.scale(loss / grad_accum).backward()  # gradients add up over the passes of a group
+        scaler.scale(loss / batches.grad_accum).backward()  # gradients add up over the passes of a group
         if last_pass:  # one optimizer step per group
             scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # gradients to None (the default): nothing to zero
         totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
         totals[1] += len(labels)
-        if not bar.disable and step % LOG_EVERY == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
-            break
-    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
+    return metrics.train_row(totals, batches)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -149,8 +135,7 @@ def resume(args, model, optimizer, scheduler, scaler):
 def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
-    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
+    stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
@@ -158,28 +143,27 @@ def main(argv=None):
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
     print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
-        sampler.generator.manual_seed(args.seed + epoch)
-        train_loader.dataset.set_epoch(epoch)
-        row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum, stop,
-                                                 part_done.get(epoch))}
+        sampler.set_epoch(epoch)  # a new order each epoch
+        row = {"epoch": epoch, **train_one_epoch(train_model, batches.epoch(epoch), optimizer, scheduler, scaler,
+                                                 device, amp_dtype)}
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
         print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
-        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
-            print(stop.leave_line(args.stop_after))
+        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break
 
     metrics.plot(args.out_dir, f"{STEP} ({args.arch})")
     checkpoint.write_digest(args.out_dir, 0, model.module.state_dict())
-    return preempt.EXIT_REQUEUE if stop.stopped else 0
+    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
 
 
 if __name__ == "__main__":

@@ -9,40 +9,34 @@ and checkpoint-epochNNNN.pt (fp32 weights gathered from the shards), which every
     deepspeed --num_gpus 4 05_cifar10_deepspeed.py --deepspeed_config ds_config.json --zero-stage 3
     deepspeed --hostfile hostfile 05_cifar10_deepspeed.py          # several machines (docs/05-deepspeed.md)
 """
-import datetime
 import gc
-import itertools
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from common import checkpoint, data, deepspeed_support, distributed, metrics, models, preempt
-from common.cli import UserError, amp_dtype, brief, exits_cleanly, positive_int, shared_parser
+from common.cli import UserError, amp_dtype, brief, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
 STEP = "05_cifar10_deepspeed"
 WARMUP_EPOCHS = 1  # DeepSpeed: SGD's momentum and weight decay are in ds_config.json
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")  # DeepSpeed: the default config
 deepspeed = exits_cleanly(deepspeed_support.load)()  # DeepSpeed: import it quietly, or say how to install it
-LOG_EVERY = 20  # steps between progress-bar loss updates
 
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
     parser = shared_parser("Step 05: CIFAR-10 with DeepSpeed (ZeRO 0-3), one process per GPU.", STEP)
     parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help="set by deepspeed and torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DeepSpeed: its launcher too
+                        help="set by deepspeed and torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DeepSpeed: too
     parser.add_argument("--sync-bn", action="store_true",
                         help="batch-norm statistics over the global batch (SyncBatchNorm; needs CUDA GPUs)")
-    parser.add_argument("--dist-timeout", type=positive_int, default=600, metavar="SECONDS",
-                        help="how long a collective waits for a missing rank before failing (default 600)")
+    distributed.add_arguments(parser, spawn=False)  # plumbing: --dist-timeout SECONDS
     parser.add_argument("--deepspeed_config", "--deepspeed-config", default=CONFIG, metavar="JSON",  # DeepSpeed: its config
                         help="the DeepSpeed config (default: ds_config.json next to this script)")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
@@ -52,23 +46,24 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    torch.manual_seed(args.seed)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
     if torch.cuda.is_available():
-        if args.local_rank >= torch.cuda.device_count():  # DDP: more processes than GPUs on this machine
+        if args.local_rank >= torch.cuda.device_count():  # plumbing: more processes than GPUs on this machine
             raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
         device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
-        if rank == 0:  # DDP: one line, not one per process
+        if rank == 0:  # plumbing: one line, not one per process
             print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     # DeepSpeed: joins the group as init_process_group does (nccl for GPUs, gloo for CPUs), from the same variables.
     deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo",
-                               timeout=datetime.timedelta(seconds=args.dist_timeout))  # DDP: an error, not a hang
+                               timeout=args.dist_timeout)  # DeepSpeed: as in 04, a dead peer = an error, not a hang
+    checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
+    torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
@@ -101,13 +96,9 @@ def build_model(args, device):
 
 # ----------------------------------------------------------------------------- optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, amp_dtype):
-    # DeepSpeed: the config file with the command line's batch, learning rate, ZeRO stage and precision written in.
-    config = deepspeed_support.read_config(args.deepspeed_config, CONFIG)
-    config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=args.grad_accum)
-    config["optimizer"].setdefault("params", {})["lr"] = args.lr
-    if args.zero_stage is not None:
-        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
-    deepspeed_support.set_precision(config, amp_dtype)  # DeepSpeed: 16-bit weights + fp32 masters, not autocast
+    # DeepSpeed: ds_config.json with the command line's batch, accumulation, lr, ZeRO stage and precision written in
+    # (bf16/fp16: 16-bit weights with fp32 masters in the engine, not autocast).
+    config = deepspeed_support.config(args, CONFIG, amp_dtype)
     # DeepSpeed: builds SGD from the config, steps our schedule; owns precision, gradient averaging, clipping, ZeRO.
     schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
     try:
@@ -119,17 +110,12 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(engine, loader, device, memory_format, epoch, grad_accum, stop, part):
+def train_one_epoch(engine, batches, device):
     engine.train()  # DeepSpeed: the engine is an nn.Module around the model
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
-    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
-               leave=False, disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
-    start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar, first):
+    for images, labels in batches:  # DeepSpeed: whole accumulation groups, as the engine counts them
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        images = images.to(device, non_blocking=True, memory_format=batches.memory_format)
         labels = labels.to(device, non_blocking=True)
         # DeepSpeed: the engine runs the model in its precision; under ZeRO-3 it gathers each layer's weights first.
         loss = F.cross_entropy(engine(images).float(), labels)
@@ -137,12 +123,8 @@ def train_one_epoch(engine, loader, device, memory_format, epoch, grad_accum, st
         engine.step()  # DeepSpeed: on a group's last pass: clip, step optimizer and schedule, zero the gradients
         totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
         totals[1] += len(labels)
-        if not bar.disable and step % LOG_EVERY == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
-            break
     dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
+    return metrics.train_row(totals, batches)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -176,19 +158,6 @@ def save_checkpoint(args, epoch, global_step, engine, row, synthetic):
                                model_state=model_state, args=args, metrics=row, synthetic=synthetic)
 
 
-def load_weights(args, model):
-    # DeepSpeed: any step's checkpoint-epochNNNN.pt: weights into the plain model before the engine shards it.
-    if deepspeed_support.engine_checkpoint(args.resume, args.out_dir) is not None:
-        return 0
-    state = checkpoint.find_resume(args.resume, args.out_dir, args.arch, verbose=dist.get_rank() == 0)
-    if state is None:
-        return 0  # DeepSpeed: the epoch to continue after; resume() places the schedule there
-    epoch, _ = checkpoint.restore(state, model=model)
-    if dist.get_rank() == 0:  # DDP: every rank read the same file; one of them says so
-        print(f"resumed from epoch {epoch} (written by {state['step']}): weights only, momentum starts from zero")
-    return epoch
-
-
 def resume(args, engine, start_epoch, steps_per_epoch):
     found = deepspeed_support.engine_checkpoint(args.resume, args.out_dir)
     if found is None:  # DeepSpeed: fresh, or weights only: the schedule goes to where that epoch ended
@@ -205,30 +174,29 @@ def resume(args, engine, start_epoch, steps_per_epoch):
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # DDP: no launcher: a group of one (DeepSpeed: start more with deepspeed or torchrun)
+    if "RANK" not in os.environ:  # plumbing: no launcher: a group of one (start more with deepspeed or torchrun)
         return distributed.without_launcher(main, argv)
     device, amp_dtype, rank, world_size = setup(args)
-    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
+    stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
-    start_epoch = load_weights(args, model)  # DeepSpeed: weights of a checkpoint-epochNNNN.pt, before the engine
+    start_epoch = deepspeed_support.load_weights(args, model)  # DeepSpeed: any step's checkpoint-epochNNNN.pt: weights
     engine = build_optimizer(args, model, len(train_loader) // args.grad_accum, amp_dtype)
     start_epoch, global_step, part_done = resume(args, engine, start_epoch, len(train_loader) // args.grad_accum)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
     if args.compile:
         engine.compile()  # DeepSpeed: compiles the module inside the engine; the checkpoints do not change
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size,
                                  prefix=f"ZeRO stage {engine.zero_optimization_stage()}, "))  # DeepSpeed: as resolved
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
-        train_loader.dataset.set_epoch(epoch)
-        row = {"epoch": epoch, **train_one_epoch(engine, train_loader, device, memory_format, epoch, args.grad_accum,
-                                                 stop, part_done.get(epoch))}
+        row = {"epoch": epoch, **train_one_epoch(engine, batches.epoch(epoch), device)}
         global_step = engine.global_steps  # DeepSpeed: optimizer steps, also those skipped on fp16 overflow (unscheduled)
         for buffer in engine.module.buffers():  # DeepSpeed: never synced by the engine (DDP does): take rank 0's
             dist.broadcast(buffer, 0)
@@ -238,18 +206,16 @@ def main(argv=None):
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
-            if rank == 0:
-                print(stop.leave_line(args.stop_after))
+        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break
 
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
     checkpoint.write_digest(args.out_dir, rank, deepspeed_support.export_weights(engine))  # DeepSpeed: as exported
     del engine, model  # DeepSpeed: as in 04 (under ZeRO 1-3 autograd hooks would also keep the engine alive)
     gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
-    return preempt.EXIT_REQUEUE if stop.stopped else 0
+    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
 
 
 if __name__ == "__main__":

@@ -7,14 +7,11 @@ averages the gradients with allreduce, and broadcasts copy rank 0's weights and 
     horovodrun -np 4 -H localhost:4 python 06_cifar10_horovod.py
     horovodrun -np 8 -H host1:4,host2:4 python 06_cifar10_horovod.py   # 2 machines x 4 (ssh, same paths)
 """
-import itertools
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from common import checkpoint, data, horovod_support, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
@@ -22,7 +19,6 @@ from common.schedule import warmup_cosine
 
 STEP = "06_cifar10_horovod"
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
-LOG_EVERY = 20  # steps between progress-bar loss updates
 hvd = exits_cleanly(horovod_support.load)()  # Horovod: import horovod.torch, or say how to build it
 
 
@@ -38,21 +34,22 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    torch.manual_seed(args.seed)
     rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()  # Horovod: from hvd.init()
     if torch.cuda.is_available():
-        if args.local_rank >= torch.cuda.device_count():  # DDP: more processes than GPUs on this machine
+        if args.local_rank >= torch.cuda.device_count():  # plumbing: more processes than GPUs on this machine
             raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
         device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
-        if rank == 0:  # DDP: one line, not one per process
+        if rank == 0:  # plumbing: one line, not one per process
             print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     horovod_support.share_cores(hvd)  # Horovod: horovodrun does not set OMP_NUM_THREADS (torchrun does)
+    checkpoint.continue_run(args, horovod_support.share(hvd))  # --resume: that run's settings (Horovod: broadcast)
+    torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
@@ -99,23 +96,17 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
-                    stop, part):
+def train_one_epoch(model, batches, optimizer, scheduler, scaler, device, amp_dtype):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
-    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
-               leave=False, disable=hvd.rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
-    start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar, first):
+    for step, (images, labels) in enumerate(batches):  # whole accumulation groups (batches: see main)
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        images = images.to(device, non_blocking=True, memory_format=batches.memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % grad_accum == 0
+        last_pass = (step + 1) % batches.grad_accum == 0
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
-        scaler.scale(loss / grad_accum).backward()  # Horovod: its allreduce starts on the group's last pass itself
+        scaler.scale(loss / batches.grad_accum).backward()  # Horovod: its allreduce starts on the group's last pass itself
         if last_pass:
             optimizer.synchronize()  # Horovod: wait for the averaged gradients before the scaler looks at them
             scaler.unscale_(optimizer)
@@ -123,15 +114,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dty
                 scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad()  # Horovod: its zero_grad() takes no set_to_none (None is the default)
+            optimizer.zero_grad()  # gradients to None (the default): nothing to zero
         totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
         totals[1] += len(labels)
-        if not bar.disable and step % LOG_EVERY == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
-            break
     totals = hvd.allreduce(totals, op=hvd.Sum, name="train_totals")  # Horovod: sum over ranks (default: average)
-    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
+    return metrics.train_row(totals, batches)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -169,12 +156,8 @@ def resume(args, model, optimizer, scheduler, scaler):
                                                 scaler=scaler)
         print(f"resumed from {checkpoint.describe(state)}")
         part_done = preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
-    # Horovod: what the broadcasts below do not carry: the position in the run, the schedule, the loss scale.
-    epoch, global_step, part_done, schedule, scale = hvd.broadcast_object(
-        (epoch, global_step, part_done, scheduler.state_dict(), scaler.state_dict()), root_rank=0, name="resume")
-    scheduler.load_state_dict(schedule)
-    if scale:  # {}: a disabled (bf16/fp32) scaler
-        scaler.load_state_dict(scale)
+    # Horovod: rank 0's position in the run, schedule and loss scale; its momentum and weights below.
+    epoch, global_step, part_done = horovod_support.broadcast_run(hvd, epoch, global_step, part_done, scheduler, scaler)
     if global_step > 0:  # Horovod: momentum (on a fresh optimizer this would take a zero-gradient step first)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: rank 0's weights: identical replicas
@@ -187,25 +170,24 @@ def main(argv=None):
     args = parse_args(argv)
     hvd.init()  # Horovod: connects to the processes horovodrun started (plain python: a group of one); no process group
     device, amp_dtype, rank, world_size = setup(args)
-    stop = preempt.Stop(agree=lambda flag: hvd.allreduce(flag, op=hvd.Max))  # Horovod: ranks agree to stop
-    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
+    stop = preempt.Stop(horovod_support.agree(hvd), args.stop_after)  # Horovod: ranks agree to stop by its allreduce
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
-        train_loader.dataset.set_epoch(epoch)
-        row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum, stop,
-                                                 part_done.get(epoch))}
+        row = {"epoch": epoch, **train_one_epoch(train_model, batches.epoch(epoch), optimizer, scheduler, scaler,
+                                                 device, amp_dtype)}
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         hvd.broadcast_parameters(dict(model.named_buffers()), root_rank=0)  # Horovod: rank 0's BN statistics (as DDP)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
@@ -214,16 +196,14 @@ def main(argv=None):
             save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         hvd.barrier()  # Horovod: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
-            if rank == 0:
-                print(stop.leave_line(args.stop_after))
+        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break
 
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
-    checkpoint.write_digest(args.out_dir, rank, model.state_dict())  # DDP: equal files = equal replicas
+    checkpoint.write_digest(args.out_dir, rank, model.state_dict())  # Horovod: a plain module's weights
     hvd.shutdown()  # Horovod: stop its background thread cleanly so horovodrun sees a clean exit
-    return preempt.EXIT_REQUEUE if stop.stopped else 0
+    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
 
 
 if __name__ == "__main__":

@@ -8,12 +8,9 @@ processes) and the common checkpoint-epochNNNN.pt (gathered on rank 0), which ev
     torchrun --nproc_per_node=4 08_cifar10_fsdp.py
     torchrun --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 --nproc_per_node=4 08_cifar10_fsdp.py
 """
-import datetime
 import gc
-import itertools
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,15 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from common import checkpoint, data, distributed, fsdp_support, metrics, models, preempt
-from common.cli import UserError, amp_dtype, exits_cleanly, positive_int, shared_parser
+from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
 STEP = "08_cifar10_fsdp"
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
-LOG_EVERY = 20  # steps between progress-bar loss updates
 
 
 # ----------------------------------------------------------------------------- argument parsing
@@ -41,32 +36,30 @@ def parse_args(argv=None):
                         help="set by torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DDP: launcher argument
     parser.add_argument("--sync-bn", action="store_true",
                         help="batch-norm statistics over the global batch (SyncBatchNorm; needs CUDA GPUs)")
-    parser.add_argument("--spawn", type=positive_int, metavar="N",
-                        help="start N processes with torch.multiprocessing.spawn instead of a launcher")
-    parser.add_argument("--dist-timeout", type=positive_int, default=600, metavar="SECONDS",
-                        help="how long a collective waits for a missing rank before failing (default 600)")
+    distributed.add_arguments(parser)  # plumbing: --spawn N (no launcher), --dist-timeout SECONDS
     return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    torch.manual_seed(args.seed)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
     if torch.cuda.is_available():
-        if args.local_rank >= torch.cuda.device_count():  # DDP: more processes than GPUs on this machine
+        if args.local_rank >= torch.cuda.device_count():  # plumbing: more processes than GPUs on this machine
             raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
         device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
-        if rank == 0:  # DDP: one line, not one per process
+        if rank == 0:  # plumbing: one line, not one per process
             print("no CUDA GPU found: running on the CPU")
     if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
         raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # DDP: nccl moves GPU tensors, gloo CPU ones
-                            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None,
-                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # DDP: dead peer = error, not hang
+                            device_id=device if device.type == "cuda" else None,  # DDP: rank, size from the env
+                            timeout=args.dist_timeout)  # DDP: a dead peer = an error, not a hang
+    checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
+    torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
@@ -117,37 +110,27 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, device, amp_dtype, memory_format, epoch, grad_accum,
-                    stop, part):
+def train_one_epoch(model, batches, optimizer, scheduler, scaler, device, amp_dtype):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    passes = len(loader) // grad_accum * grad_accum  # whole accumulation groups only
-    first = preempt.first_pass(part, passes, grad_accum)  # part: what a stopped run did of this epoch (skipped)
-    bar = tqdm(itertools.islice(loader, first, passes), initial=first, total=passes, desc=f"epoch {epoch}",
-               leave=False, disable=dist.get_rank() != 0 or not sys.stderr.isatty())  # DDP: rank 0's bar only
-    start = time.perf_counter()
-    for step, (images, labels) in enumerate(bar, first):
+    for step, (images, labels) in enumerate(batches):  # whole accumulation groups (batches: see main)
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        images = images.to(device, non_blocking=True, memory_format=batches.memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % grad_accum == 0
+        last_pass = (step + 1) % batches.grad_accum == 0
         model.set_requires_gradient_sync(last_pass)  # FSDP: reduce-scatter the gradients on the last pass only
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
-        scaler.scale(loss / grad_accum).backward()  # gradients add up over the passes of a group
+        scaler.scale(loss / batches.grad_accum).backward()  # gradients add up over the passes of a group
         if last_pass:  # FSDP: each rank holds the averaged gradient of its shard now; one optimizer step per group
             scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # gradients to None (the default): nothing to zero
         totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
         totals[1] += len(labels)
-        if not bar.disable and step % LOG_EVERY == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % grad_accum == 0 and stop.requested():  # a stop signal: leave after this optimizer step
-            break
     dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    return metrics.train_row(totals, start, (step + 1) // grad_accum, passes // grad_accum, device, part)
+    return metrics.train_row(totals, batches)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -194,7 +177,7 @@ def resume(args, model, optimizer, scheduler, scaler):
     if not sharded:
         fsdp_support.load_full(model, optimizer, state)  # FSDP: whole tensors in, this rank keeps its shards
     epoch, global_step = checkpoint.restore(state, model=None, scheduler=scheduler, scaler=scaler)
-    if dist.get_rank() == 0:  # DDP: every rank read the same file; one of them says so
+    if dist.get_rank() == 0:  # plumbing: every rank read the same file; one of them says so
         print(f"resumed from {checkpoint.describe(state)}{', sharded' if sharded else ''}")
     return epoch, global_step, preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
 
@@ -203,29 +186,28 @@ def resume(args, model, optimizer, scheduler, scaler):
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # DDP: no launcher: start --spawn N processes here (mp.spawn), or be a group of one
+    if "RANK" not in os.environ:  # plumbing: no launcher: start --spawn N processes here (mp.spawn), or a group of one
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size = setup(args)
-    stop = preempt.Stop()  # SIGTERM/SIGUSR1 from now on: finish the step, save, exit 75 (see the docstring)
-    checkpoint.make_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses another run's folder
+    stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
     train_loader, test_loader, sampler = build_data(args)
     synthetic = data.is_synthetic(args.data_dir)
     model = build_model(args, device, amp_dtype)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
     amp_dtype = None  # FSDP: no autocast in the loop: the MixedPrecisionPolicy of build_model casts
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
-        train_loader.dataset.set_epoch(epoch)
-        row = {"epoch": epoch, **train_one_epoch(train_model, train_loader, optimizer, scheduler, scaler, device,
-                                                 amp_dtype, memory_format, epoch, args.grad_accum, stop,
-                                                 part_done.get(epoch))}
+        row = {"epoch": epoch, **train_one_epoch(train_model, batches.epoch(epoch), optimizer, scheduler, scaler,
+                                                 device, amp_dtype)}
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         for buffer in model.buffers():  # FSDP: never synced (DDP broadcasts them): rank 0's batch-norm statistics
             dist.broadcast(buffer, 0)
@@ -235,18 +217,16 @@ def main(argv=None):
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if epoch < args.epochs and (stop.requested() or args.stop_after and epoch - start_epoch >= args.stop_after):
-            if rank == 0:
-                print(stop.leave_line(args.stop_after))
+        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break
 
-    if rank == 0:
+    if rank == 0:  # plumbing: one rank prints and draws
         metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
     checkpoint.write_digest(args.out_dir, rank, fsdp_support.full_model(model))  # FSDP: gathered: equal on every rank
-    del model, train_model  # DDP: free the wrapper now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
+    del model, train_model  # plumbing: free DDP now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
     gc.collect()
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
-    return preempt.EXIT_REQUEUE if stop.stopped else 0
+    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
 
 
 if __name__ == "__main__":

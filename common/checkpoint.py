@@ -13,7 +13,7 @@ run code is refused):
     epoch        epochs completed
     global_step  optimizer steps taken (also those of a part-way epoch)
     rng          {"torch": CPU generator state, "cuda": list of per-GPU states or None}
-    args         the run's arguments (a dict of plain values); --resume restores them (continue_settings)
+    args         the run's arguments (a dict of plain values); --resume restores them (continue_run)
     processes    the number of processes of the run (1 for steps 01-03)
     metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (a
                  preemption signal, see preempt.py) the training half of the row so far, with
@@ -71,6 +71,7 @@ def rng_states():
 def atomic_save(obj, path):
     """torch.save to path so that path is either the old file or the complete new one."""
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -192,11 +193,38 @@ def find_resume(resume, out_dir, arch, verbose=True):
     return None
 
 
-def continue_settings(args, given):
-    """--resume: every setting not in `given` (those typed on the command line) comes from the checkpoint's run, so
-    `--resume auto` alone continues it; a given --arch that differs stops. A new number of processes is announced
-    with the global batch before and after. A folder of DeepSpeed's or FSDP's own checkpoints: the settings of the
-    checkpoint-epochNNNN.pt beside it (export_of)."""
+def continue_run(args, share=None):
+    """Make --out-dir this run's, and with --resume continue the run it names with that run's settings: every setting
+    not typed on the command line (args.given) comes from the checkpoint, so `--resume auto` alone continues it.
+
+    Rank 0 alone reads the checkpoint and prepares the folder (make_out_dir: the refusal, --overwrite's deletions,
+    leftovers); every rank gets the same settings, or the same error, from it through `share(value)` (rank 0's value
+    on every rank; default: torch.distributed's broadcast when a group of several processes is up), so that hosts
+    without a shared disk agree. Call it once the processes can talk, before anything reads the settings."""
+    import torch.distributed as dist
+
+    if share is None and dist.is_initialized() and dist.get_world_size() > 1:
+        share = lambda value: (dist.broadcast_object_list(box := [value], src=0), box[0])[1]  # noqa: E731
+    verdict = None
+    if rank() == 0:
+        try:
+            verdict = ("settings", _settings_to_continue(args))
+            make_out_dir(args.out_dir, args.resume, args.overwrite)
+        except UserError as error:
+            verdict = ("error", str(error))
+    kind, value = share(verdict) if share else verdict
+    if kind == "error":
+        raise UserError(value)
+    for name, setting in value.items():
+        setattr(args, name, setting)
+
+
+def _settings_to_continue(args):
+    """{setting: value} of the checkpoint's run that this run takes (none typed on its command line); a typed --arch
+    that differs stops. A new number of processes is announced with the global batch before and after. A folder of
+    DeepSpeed's or FSDP's own checkpoints: the settings of the checkpoint-epochNNNN.pt beside it (export_of)."""
+    if not args.resume or (args.resume == "auto" and args.overwrite):  # nothing to continue, or a new start
+        return {}
     found = list_checkpoints(args.out_dir) if args.resume == "auto" else [export_of(args.resume)]
     for path in found:
         if path is not None:
@@ -207,24 +235,22 @@ def continue_settings(args, given):
                 if args.resume != "auto":
                     raise
     else:
-        return  # nothing to continue: find_resume says so, or which files it skipped
-    if "arch" in given and args.arch != state["arch"]:
+        return {}  # nothing to continue: find_resume says so, or which files it skipped
+    if "arch" in args.given and args.arch != state["arch"]:
         raise UserError(f"--arch {args.arch} contradicts {path}, which holds a {state['arch']} model: "
                         f"drop --arch to continue it, or start a new run in another --out-dir")
-    for name, value in {**state.get("args", {}), "arch": state["arch"]}.items():
-        if name not in given and name not in OWN_SETTINGS and hasattr(args, name):
-            setattr(args, name, value)
-    before, now = state.get("processes"), getattr(args, "spawn", None) or processes()
-    # 04, 05, 07 and 08 (those with --local-rank) started without a launcher parse again in the ranks they start.
-    launched = not hasattr(args, "local_rank") or "RANK" in os.environ
-    if before and before != now and launched and rank() == 0:
+    settings = {name: value for name, value in {**state.get("args", {}), "arch": state["arch"]}.items()
+                if name not in args.given and name not in OWN_SETTINGS and hasattr(args, name)}
+    before, now = state.get("processes"), processes()
+    if before and before != now:
         saved = state.get("args", {})
         batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
-        batch_now = args.batch_size * now * args.grad_accum
+        batch_now = settings.get("batch_size", args.batch_size) * now * settings.get("grad_accum", args.grad_accum)
         print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
               f"this one has {now} (global batch {batch_now}): "
               + ("the learning-rate schedule continues by progress (epochs done), not by step count"
                  if batch_then != batch_now else "the same global batch, the learning-rate schedule goes on as it was"))
+    return settings
 
 
 def export_of(resume):
@@ -301,7 +327,7 @@ def by_progress(state, steps_then, steps_now):
     row = state.get("metrics") or {}
     part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
     step = state["epoch"] * steps_now + part
-    if rank() == 0 and state.get("processes", processes()) == processes():  # else continue_settings() said it
+    if rank() == 0 and state.get("processes", processes()) == processes():  # else continue_run() said it
         print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
               f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
               f"not at the checkpoint's step {state['global_step']}")
@@ -323,6 +349,7 @@ def weights_digest(model_state):
 def write_digest(out_dir, rank, model_state):
     """Write out_dir/weights-rankN.sha256: equal files mean bit-identical weights."""
     path = os.path.join(out_dir, f"weights-rank{rank}.sha256")
+    os.makedirs(out_dir, exist_ok=True)  # a rank on another host than rank 0 (no shared disk) has no folder yet
     with open(path, "w") as f:
         f.write(weights_digest(model_state) + "\n")
     return path
@@ -336,9 +363,9 @@ def earlier_run(out_dir):
 
 
 def make_out_dir(out_dir, resume=None, overwrite=False):
-    """Create --out-dir and prove it is writable before any training time is spent. A run owns its folder: one
-    that holds another run's checkpoints is refused (with the fix) unless this run continues it (--resume auto,
-    or --resume of its newest checkpoint) or replaces it (--overwrite)."""
+    """Check that --out-dir can be written before any training time is spent (rank 0 alone: continue_run). A
+    run owns its folder: one that holds another run's checkpoints is refused (with the fix) unless this run continues
+    it (--resume auto, or --resume of its newest checkpoint) or replaces it (--overwrite)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
     held = earlier_run(out_dir) if os.path.isdir(out_dir) else []
@@ -346,11 +373,10 @@ def make_out_dir(out_dir, resume=None, overwrite=False):
     if held and overwrite:
         if inside:
             raise UserError(f"--overwrite would delete --resume {resume}: copy it out of {out_dir} first")
-        if rank() == 0:
-            print(f"--overwrite: replacing the run in {out_dir} ({held[0]} and its metrics)")
+        print(f"--overwrite: replacing the run in {out_dir} ({held[0]} and its metrics)")
         for name in held + [ENGINE_DIR, DCP_DIR, "metrics.jsonl", "training_curves.png"]:
             path = os.path.join(out_dir, name)
-            with contextlib.suppress(OSError):  # every rank does this; another may have been first
+            with contextlib.suppress(OSError):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     elif held and resume is None:
         raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}): continue it with --resume auto, "
@@ -360,16 +386,16 @@ def make_out_dir(out_dir, resume=None, overwrite=False):
                         "two runs (and the newest-3 rule would delete the new checkpoints): pass another --out-dir, "
                         "or --overwrite to replace that run")
     # Leftovers: saves killed before their rename, and the weight digests of an earlier run (which, from a run with
-    # more processes, would claim a disagreement with this run's). Another rank may be removing them too.
+    # more processes, would claim a disagreement with this run's).
     for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256"):
         for leftover in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
             with contextlib.suppress(OSError):
                 os.remove(leftover)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        raise UserError(f"--out-dir {out_dir} is not writable ({error.strerror}): pick another folder") from None
+    # Writable? The folder itself is made by the first write (a run stopped by bad input before then leaves none).
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    why = "Not a directory" if not os.path.isdir(existing) else None if os.access(existing, os.W_OK | os.X_OK) \
+        else "Permission denied"
+    if why:
+        raise UserError(f"--out-dir {out_dir} is not writable ({why}): pick another folder")

@@ -72,12 +72,10 @@ def _arg_error(message):
 
 class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
-        """Parse; with --resume, every setting not given on the command line comes from the checkpoint's run."""
+        """Parse, and note which options were typed (`given`): --resume takes the others from the checkpoint's run
+        (checkpoint.continue_run, once the processes can share what rank 0 reads). Parsing reads no file."""
         parsed = super().parse_args(args, namespace)
-        if getattr(parsed, "resume", None) and not (parsed.resume == "auto" and parsed.overwrite):  # that starts anew
-            from .checkpoint import continue_settings
-
-            continue_settings(parsed, self._given(args))
+        parsed.given = frozenset(self._given(args))
         return parsed
 
     def _given(self, args):

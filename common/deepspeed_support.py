@@ -4,7 +4,9 @@
   process warns that it found no GPU), the C++ op that only inference's all-reduce uses marked unavailable on the
   CPU (else the first run compiles it for 30-90 s of silence), and two known warnings filtered: torch's
   deprecation of two collectives ZeRO calls (under ZeRO-3, every step) and "untested optimizer" for torch's SGD.
-* read_config(), set_precision(): ds_config.json as a dict, with one-line errors; --amp written into it.
+* config(), read_config(), set_precision(): ds_config.json as a dict, with one-line errors; the command line
+  (batch, accumulation, lr, ZeRO stage, --amp) written into it.
+* load_weights(): a checkpoint-epochNNNN.pt's weights into the model before the engine is built.
 * export_weights(): the fp32 weights gathered from the ZeRO shards, for checkpoint-epochNNNN.pt.
 * engine_checkpoint() / load_engine(): which engine checkpoint --resume names, and loading it with one-line errors.
 """
@@ -18,7 +20,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .checkpoint import ENGINE_DIR, superseded
+from .checkpoint import ENGINE_DIR, find_resume, restore, superseded
 from .cli import UserError, brief
 
 VERSION = "0.19.8"  # as pinned in requirements.txt
@@ -58,6 +60,32 @@ def read_config(path, default):
                         f"(copy the one in {default})")
     config.pop("train_batch_size", None)  # micro batch x accumulation x processes: DeepSpeed derives it
     return config
+
+
+def config(args, default, amp_dtype):
+    """--deepspeed_config as a dict with the command line written in: the micro batch, accumulation, learning rate,
+    --zero-stage (if given) and --amp (set_precision)."""
+    config = read_config(args.deepspeed_config, default)
+    config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=args.grad_accum)
+    config["optimizer"].setdefault("params", {})["lr"] = args.lr
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    set_precision(config, amp_dtype)
+    return config
+
+
+def load_weights(args, model):
+    """--resume of a checkpoint-epochNNNN.pt (any step's): its weights into the plain model, before the engine shards
+    it; the epoch it ends (0: none, or --resume names an engine checkpoint, which the engine loads itself)."""
+    if engine_checkpoint(args.resume, args.out_dir) is not None:
+        return 0
+    state = find_resume(args.resume, args.out_dir, args.arch, verbose=torch.distributed.get_rank() == 0)
+    if state is None:
+        return 0
+    epoch, _ = restore(state, model=model)
+    if torch.distributed.get_rank() == 0:
+        print(f"resumed from epoch {epoch} (written by {state['step']}): weights only, momentum starts from zero")
+    return epoch
 
 
 def set_precision(config, amp_dtype):

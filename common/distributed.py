@@ -1,12 +1,24 @@
 """Process plumbing of the multi-process steps that is not their lesson: running without a launcher."""
+import datetime
 import os
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
-from .cli import UserError
+from .cli import UserError, positive_int
 from .launchers import free_port
+
+
+def add_arguments(parser, spawn=True):
+    """The launch flags of the torch.distributed steps: --spawn N (start the processes without a launcher) and
+    --dist-timeout (how long a collective waits for a missing rank: init_process_group's timeout)."""
+    if spawn:
+        parser.add_argument("--spawn", type=positive_int, metavar="N",
+                            help="start N processes with torch.multiprocessing.spawn instead of a launcher")
+    parser.add_argument("--dist-timeout", type=lambda text: datetime.timedelta(seconds=positive_int(text)),
+                        default=datetime.timedelta(seconds=600), metavar="SECONDS",
+                        help="how long a collective waits for a missing rank before failing (default 600)")
 
 
 def _as_rank(local_rank, main, argv, nprocs):

@@ -1,4 +1,6 @@
-"""What step 06 needs around Horovod that is not the lesson: the import, thread count, build check, SyncBatchNorm."""
+"""What step 06 needs around Horovod that is not the lesson: the import, thread count, build check, SyncBatchNorm,
+and sharing rank 0's run settings, position in the run and stop flag."""
+import functools
 import os
 import sys
 
@@ -31,6 +33,27 @@ def share_cores(hvd):
     """horovodrun does not set OMP_NUM_THREADS (torchrun does): the processes of one machine share its cores."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+
+
+def share(hvd):
+    """checkpoint.continue_run's share(): rank 0's value on every rank, by Horovod's broadcast."""
+    return lambda value: hvd.broadcast_object(value, root_rank=0, name="run")
+
+
+def broadcast_run(hvd, epoch, global_step, part_done, scheduler, scaler):
+    """What Horovod's broadcasts of weights and optimizer state do not carry, from rank 0 (which alone read the
+    checkpoint): the position in the run, the schedule's state and the loss scale. Returns the position."""
+    epoch, global_step, part_done, schedule, scale = hvd.broadcast_object(
+        (epoch, global_step, part_done, scheduler.state_dict(), scaler.state_dict()), root_rank=0, name="resume")
+    scheduler.load_state_dict(schedule)
+    if scale:  # {}: a disabled (bf16/fp32) scaler
+        scaler.load_state_dict(scale)
+    return epoch, global_step, part_done
+
+
+def agree(hvd):
+    """preempt.Stop's agree(): a max over ranks by Horovod's allreduce, started without waiting."""
+    return lambda flag: functools.partial(hvd.synchronize, hvd.allreduce_async(flag, op=hvd.Max, name="stop"))
 
 
 def check_gpu_build(hvd):

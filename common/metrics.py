@@ -23,6 +23,7 @@ class MetricsLog:
         rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
         if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
             rows += _row_of_checkpoint(out_dir, start_epoch)
+        os.makedirs(out_dir, exist_ok=True)
         with open(self.path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
@@ -78,18 +79,18 @@ def start_line(step, args, device, precision, train_loader, synthetic, processes
             f"{steps} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))
 
 
-def train_row(totals, start, steps, of_steps, device, part=None):
-    """The training half of an epoch's row from totals = (loss sum, images) and the perf_counter() at its start.
-    steps: optimizer steps done of this epoch's of_steps (fewer: it stopped part-way, "partial"). part: the row
-    a stopped run saved for the start of this epoch, merged in (so the epoch's loss covers all of it)."""
-    part = part or {}
+def train_row(totals, batches):
+    """The training half of an epoch's row from totals = (loss sum, images) and that epoch's preempt.Batches (when it
+    started, steps done of how many). Fewer steps than the epoch has: it stopped part-way ("partial"). The row a
+    stopped run saved for the start of this epoch is merged in, so that the epoch's loss covers all of it."""
+    part = batches.part or {}
     loss_sum, seen = totals.tolist()
     loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
-    seconds = time.perf_counter() - start + part.get("epoch_seconds", 0.0)
+    seconds = time.perf_counter() - batches.start + part.get("epoch_seconds", 0.0)
     row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-           "peak_memory_mb": max(peak_memory_mb(device), part.get("peak_memory_mb", 0.0)), "steps": steps,
-           "images": int(seen)}
-    return {**row, "partial": True, "of_steps": of_steps} if steps < of_steps else row
+           "peak_memory_mb": max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0)),
+           "steps": batches.steps, "images": int(seen)}
+    return {**row, "partial": True, "of_steps": batches.of_steps} if batches.steps < batches.of_steps else row
 
 
 def epoch_line(row, epochs):

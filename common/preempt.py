@@ -1,33 +1,60 @@
-"""Preemption: SIGTERM or SIGUSR1 ends a run after its current optimizer step, with a checkpoint to continue.
+"""Preemption and part-way epochs, kept out of the training loop: a stop flag, and each epoch's batches.
 
 Slurm sends SIGTERM to every process of a job before it kills it (scancel, preemption, the time limit), and
-`#SBATCH --signal=USR1@120` asks it for SIGUSR1 two minutes before the time limit (see slurm/). Stop() catches both:
-the training loop asks `requested()` after every optimizer step. With several processes the ranks agree (a max over
-ranks, on a small gloo group of their own, so no GPU waits for it) and all stop after the same step. The step then
-saves where it stopped (checkpoint-epochNNNN-stepSSSSSS.pt) and exits with EXIT_REQUEUE, on which the batch scripts
-requeue the job; `--resume auto` continues it exactly where it stopped.
+`#SBATCH --signal=USR1@120` asks it for SIGUSR1 two minutes before the time limit (see slurm/). Stop() catches both.
+Batches, which hands the training loop its batches, looks at the flag every CHECK_EVERY optimizer steps and ends the
+epoch after that step once the ranks agree to stop: the loop itself never asks. The ranks agree with a max over ranks
+on a small gloo group of their own (no GPU waits for it), started without waiting at one look and read at the next,
+CHECK_EVERY steps later, by when it has long arrived: no step waits for a collective, and every rank stops after the
+same step. The step then saves where it stopped (checkpoint-epochNNNN-stepSSSSSS.pt) and exits with EXIT_REQUEUE, on
+which the batch scripts requeue the job; `--resume auto` continues it exactly where it stopped: Batches starts that
+epoch after the steps already done (with other batch arithmetic: after the same fraction of the epoch).
 
 Processes started after Stop() (DataLoader workers above all) inherit the two signals blocked: Slurm signals every
 process of the job step, and a worker that died of it would take the training process down with it.
 """
+import itertools
 import multiprocessing
 import signal
+import sys
 import threading
+import time
 from multiprocessing import resource_tracker
 
 import torch
+from tqdm import tqdm
+
+from .cli import rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_REQUEUE = 75  # EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume
+CHECK_EVERY = 8  # optimizer steps between two looks at the stop flag: a signal ends the epoch within 2 x this
+
+
+def agree_by_torch_distributed():
+    """agree() for Stop: an all-reduce (max) over every rank, on a gloo group of its own, started without waiting;
+    returns what gives the result. None when there is no group of several processes."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    group = dist.new_group(backend="gloo")  # CPU flags, also when the training group is nccl
+
+    def agree(flag):
+        work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=group, async_op=True)
+        return lambda: (work.wait(), flag)[1]
+
+    return agree
 
 
 class Stop:
-    """Catches SIGTERM and SIGUSR1 from now on. `agree(tensor)`: a max over ranks of a CPU int tensor (returning
-    the result or reducing in place); default: torch.distributed's when a group of several processes is up."""
+    """Catches SIGTERM and SIGUSR1 from now on. `agree(flag)`: starts a max over ranks of a CPU int tensor and returns a
+    function that waits for it and returns the result (default: torch.distributed's, when a group is up)."""
 
-    def __init__(self, agree=None):
+    def __init__(self, agree=None, stop_after=None):
         self.signal = None  # the name of the first signal this process received
         self.stopped = False  # the ranks agreed to stop
+        self.stop_after = stop_after  # --stop-after N: leave after N epochs of this run
         for sig in SIGNALS:  # threads started before now may take a signal: Python runs this handler for them
             signal.signal(sig, lambda signum, frame: self._note(signum))
         if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):  # spawn, forkserver (step 06)
@@ -35,10 +62,8 @@ class Stop:
         # This thread blocks them (inherited by threads and processes it starts); one thread of ours waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=self._wait, daemon=True, name="stop-signals").start()
-        if agree is None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            group = torch.distributed.new_group(backend="gloo")  # CPU flags, also when the training group is nccl
-            agree = lambda flag: torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=group)  # noqa: E731
-        self._agree = agree
+        self._agree = agree or agree_by_torch_distributed()
+        self._pending = None  # the agreement started at the previous look
 
     def _note(self, signum):
         self.signal = self.signal or signal.Signals(signum).name
@@ -47,33 +72,102 @@ class Stop:
         while True:
             self._note(signal.sigwait(SIGNALS))
 
-    def requested(self):
-        """True once any rank received a signal; every rank must call it at the same points (it is collective)."""
+    def requested(self, wait=False):
+        """True once the ranks agreed that one of them received a signal. Collective: every rank calls it at the same
+        points. It reads the agreement the previous call started (which has arrived by then) and starts the next;
+        wait=True also waits for the one it starts (at the end of an epoch, where the ranks meet anyway)."""
+        if self.stopped or self._agree is None:
+            self.stopped = self.stopped or self.signal is not None
+            return self.stopped
+        if self._pending is not None:
+            self.stopped, self._pending = bool(self._pending().item()), None
         if not self.stopped:
-            flag = torch.tensor([int(self.signal is not None)])
-            agreed = self._agree(flag) if self._agree is not None else None
-            self.stopped = bool((flag if agreed is None else agreed).item())
+            self._pending = self._agree(torch.tensor([int(self.signal is not None)]))
+            if wait:
+                self.stopped, self._pending = bool(self._pending().item()), None
         return self.stopped
 
-    def leave_line(self, stop_after=None):
-        """What the run prints when it leaves early: on a signal, or after --stop-after epochs."""
-        if not self.stopped:
-            return f"stopping after {stop_after} epoch(s) as asked; continue with --resume auto"
-        got = f"received {self.signal}" if self.signal else "another rank received SIGTERM/SIGUSR1"
-        return f"{got}: checkpoint saved; exit {EXIT_REQUEUE} (a batch script requeues); continue with --resume auto"
+    def leave(self, epoch, start_epoch, epochs):
+        """After epoch `epoch` (saved): True if the run leaves now, on a signal or after --stop-after epochs; rank 0
+        says why. Collective, like requested()."""
+        if epoch >= epochs or not (self.requested(wait=True) or self.stop_after and epoch - start_epoch >= self.stop_after):
+            return False
+        if rank() == 0:
+            got = f"received {self.signal}" if self.signal else "another rank received SIGTERM/SIGUSR1"
+            print(f"{got}: checkpoint saved; exit {EXIT_REQUEUE} (a batch script requeues); continue with --resume auto"
+                  if self.stopped else f"stopping after {self.stop_after} epoch(s) as asked; continue with --resume auto",
+                  flush=True)
+        return True
+
+    def exit_status(self):
+        return EXIT_REQUEUE if self.stopped else 0
+
+
+class Batches:
+    """The batches of each epoch, for the training loop: `for images, labels in batches.epoch(n)`.
+
+    Whole accumulation groups only (`grad_accum` passes per optimizer step). An epoch that a stopped run began goes on
+    after the optimizer steps it did (with another number of steps per epoch, after the same fraction of it). The epoch
+    ends early, after an optimizer step, once the ranks agreed to stop (Stop). A dataset with set_epoch() (ours: its
+    augmentation) is told the epoch. Rank 0 shows a progress bar on a terminal. After the loop: `start` (its
+    perf_counter), `steps` done of `of_steps`, and `part`, the row the stopped run saved for this epoch (or None)."""
+
+    def __init__(self, loader, grad_accum, memory_format, stop, part_done=None):
+        self.loader, self.grad_accum, self.memory_format, self.stop = loader, grad_accum, memory_format, stop
+        self.part_done = part_done or {}  # {epoch: the row a stopped run saved} (checkpoint.part_done)
+        self.passes = len(loader) // grad_accum * grad_accum
+        self.of_steps = self.passes // grad_accum
+        self.number, self.part, self.first, self.done, self.start = 0, None, 0, 0, 0.0
+
+    def epoch(self, number):
+        self.number, self.part = number, self.part_done.get(number)
+        steps = 0 if not self.part else min(round(self.part["steps"] * self.of_steps / self.part["of_steps"]),
+                                            self.of_steps - 1)
+        self.first = steps * self.grad_accum
+        return self
+
+    @property
+    def steps(self):
+        return self.done // self.grad_accum
+
+    def __len__(self):
+        return self.passes - self.first
+
+    def __iter__(self):
+        if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
+            self.loader.dataset.set_epoch(self.number)
+        self.start, self.done = time.perf_counter(), self.first
+        with tqdm(total=self.passes, initial=self.first, desc=f"epoch {self.number}", leave=False,
+                  disable=rank() != 0 or not sys.stderr.isatty()) as bar:
+            for index, batch in enumerate(itertools.islice(self.loader, self.first, self.passes), self.first):
+                step = index // self.grad_accum
+                if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
+                        and self.stop.requested():
+                    return  # after the optimizer step of the group before: saved as part of this epoch
+                yield batch
+                self.done = index + 1
+                bar.update()
 
 
 def part_done(state):
     """{epoch: the row a run stopped part-way saved for the start of that epoch} from a checkpoint's state ({} if
-    it was written at the end of an epoch)."""
+    it was written at the end of an epoch): what Batches continues."""
     row = state.get("metrics") or {}
     return {row["epoch"]: row} if row.get("partial") else {}
 
 
-def first_pass(part, passes, grad_accum):
-    """Where a part-way epoch continues: after the passes the stopped run did. A run with another number of steps
-    per epoch (batch size, processes) continues after the same fraction of the epoch (checkpoint.by_progress)."""
-    if not part:
-        return 0
-    steps_now = passes // grad_accum
-    return min(round(part["steps"] * steps_now / part["of_steps"]), steps_now - 1) * grad_accum
+class ShuffledSampler(torch.utils.data.Sampler):
+    """A random order of the whole data set that depends on (seed, epoch) alone, like DistributedSampler's with one
+    process: set_epoch() picks the epoch's. A resumed run sees the same batches as an uninterrupted one."""
+
+    def __init__(self, data_source, seed=0):
+        self.size, self.seed, self.epoch = len(data_source), seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self):
+        return self.size

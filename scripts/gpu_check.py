@@ -145,11 +145,12 @@ def compute_rate(flags, data, device):
     torch.backends.cudnn.benchmark = True  # as 02 does on a GPU
     dtype, model = step["amp_dtype"](args.amp, device), step["build_model"](args, device)  # 02's own choice and model
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, len(batches), device, dtype)
-    never = types.SimpleNamespace(requested=lambda: False)  # no stop signal (common/preempt.py)
+    never = types.SimpleNamespace(requested=lambda: False)  # no stop signal
+    from common.preempt import Batches
     threads = torch.get_num_threads()
     torch.set_num_threads(int(launchers.env()["OMP_NUM_THREADS"]))  # as a run has
-    rates = [step["train_one_epoch"](model, batches, optimizer, scheduler, scaler, device, dtype, memory_format, 1,
-                                     args.grad_accum, never, None)["images_per_sec"] for _ in range(3)]
+    rates = [step["train_one_epoch"](model, Batches(batches, args.grad_accum, memory_format, never).epoch(1), optimizer,
+                                     scheduler, scaler, device, dtype)["images_per_sec"] for _ in range(3)]
     torch.set_num_threads(threads)
     return max(rates[1:])  # the first pays cuDNN's algorithm search and the allocator
 

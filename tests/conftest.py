@@ -1,4 +1,6 @@
 """Fixtures: a small synthetic CIFAR-10 in the real on-disk format (see helpers.py)."""
+import importlib.util
+import re
 import signal
 
 import pytest
@@ -47,3 +49,14 @@ def default_stop_signals():
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
 
+
+
+def pytest_collection_modifyitems(items):
+    """Without Horovod (scripts/setup.sh finishes without it where it cannot be built) the tests of step 06 skip, with
+    the way to build it; CI builds it (REQUIRE_HOROVOD=1), so there they run."""
+    if importlib.util.find_spec("horovod") is not None:
+        return
+    skip = pytest.mark.skip(reason="Horovod is not built: PYTHON=.venv/bin/python bash scripts/install_horovod.sh")
+    for item in items:
+        if re.search(r"horovod|\b06\b|\[6\]|06_", item.nodeid):
+            item.add_marker(skip)

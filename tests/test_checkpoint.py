@@ -209,3 +209,52 @@ def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(
     with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run \(.*pass --arch resnet18"):
         checkpoint.find_resume("auto", str(tmp_path), "cnn")
 
+
+
+def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, monkeypatch):
+    """--resume: the run's settings come from its checkpoint, read by rank 0 alone once the processes can talk
+    (checkpoint.continue_run); the others get them, or rank 0's error, through `share` (on hosts without a shared
+    disk they could not read the file). Parsing reads nothing."""
+    from common.cli import shared_parser
+
+    parse = shared_parser("test", "test").parse_args
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    assert parse(["--resume", str(tmp_path / "garbage.pt")]).resume.endswith("garbage.pt")  # no error yet
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpoint.save(str(run), step="test", arch="cnn", epoch=1, global_step=5, model_state={},
+                    args=parse(["--batch-size", "16", "--epochs", "7", "--arch", "cnn"]))
+    args = parse(["--resume", "auto", "--out-dir", str(run), "--epochs", "9"])
+    assert (args.batch_size, args.epochs, args.arch) == (128, 9, "resnet18")  # the defaults, until continue_run
+    seen = []
+    checkpoint.continue_run(args, share=lambda verdict: seen.append(verdict) or verdict)  # rank 0
+    assert (args.batch_size, args.epochs, args.arch) == (16, 9, "cnn"), "typed settings win"
+    monkeypatch.setenv("RANK", "1")  # another rank, on a host where the folder does not exist
+    other = parse(["--resume", "auto", "--out-dir", str(tmp_path / "not-here"), "--epochs", "9"])
+    checkpoint.continue_run(other, share=lambda verdict: seen[0])
+    assert (other.batch_size, other.epochs, other.arch) == (16, 9, "cnn")
+    assert not (tmp_path / "not-here").exists(), "only rank 0 prepares --out-dir"
+    with pytest.raises(UserError, match="the error rank 0 met"):
+        checkpoint.continue_run(other, share=lambda verdict: ("error", "the error rank 0 met"))
+
+
+def test_common_has_no_import_cycle():
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(checkpoint.__file__).parent
+    imports = {}
+    for path in folder.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names |= {node.module} if node.module else {alias.name for alias in node.names}
+        imports[path.stem] = {name for name in names if (folder / f"{name}.py").exists()}
+
+    def visit(module, path):
+        assert module not in path, " -> ".join([*path, module])
+        for name in imports[module]:
+            visit(name, [*path, module])
+
+    for module in imports:
+        visit(module, [])

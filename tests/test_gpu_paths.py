@@ -72,12 +72,15 @@ class NoStop:
         return False
 
 
-def small_loader(count=4, batch=4):
+def batches(epoch, count=4, batch=4):
+    """One epoch of one optimizer step (4 images), as the steps' training loops take them (preempt.Batches)."""
     from common.data import CIFAR10Tensors
+    from common.preempt import Batches
     from common.synthetic import make_images
 
     images, labels = make_images(count, seed=0, kind="easy")
-    return torch.utils.data.DataLoader(CIFAR10Tensors(images, labels, train=True), batch_size=batch)
+    loader = torch.utils.data.DataLoader(CIFAR10Tensors(images, labels, train=True), batch_size=batch)
+    return Batches(loader, 1, torch.channels_last, NoStop()).epoch(epoch)
 
 
 def overflowing(scaler, scale=2.0 ** 40):
@@ -97,8 +100,7 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     model = step["build_model"](args, cpu)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
-    train = lambda epoch: step["train_one_epoch"](model, small_loader(), optimizer, scheduler, scaler, cpu, fp16,  # noqa: E731
-                                                  torch.channels_last, epoch, 1, NoStop(), None)
+    train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, fp16)  # noqa: E731
     before = weights(model)
     overflowing(scaler)
     train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
@@ -161,8 +163,7 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
     model = step["build_model"](args, cpu, fp16)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
-    train = lambda epoch: step["train_one_epoch"](model, small_loader(), optimizer, scheduler, scaler, cpu, None,  # noqa: E731
-                                                  torch.channels_last, epoch, 1, NoStop(), None)
+    train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, None)  # noqa: E731
     before = {name: tensor.clone() for name, tensor in full_model(model).items()}  # with one rank: the live tensors
     overflowing(scaler)
     train(1)

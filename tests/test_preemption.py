@@ -91,3 +91,44 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)  # the epoch's loss sums both parts
     assert got["images"] == want["images"] == 1280
     assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), "a finished epoch supersedes the part-way one"
+
+
+def looks_at_the_flag(steps, grad_accum=1, signal_at=None, part=None):
+    """Run preempt.Batches over `steps` optimizer steps of a stand-in loader, with a Stop whose agreement is counted
+    (and answers at once); a signal noted at pass `signal_at`. Returns (passes yielded, agreements started, batches)."""
+    from common.preempt import Batches, Stop
+
+    started = []
+
+    def agree(flag):
+        started.append(int(flag.item()))
+        return lambda: flag
+
+    stop = Stop(agree=agree)
+    batches = Batches(list(range(steps * grad_accum)), grad_accum, None, stop, part and {1: part}).epoch(1)
+    passes = []
+    for index in batches:
+        passes.append(index)
+        if len(passes) == signal_at:
+            stop.signal = "SIGTERM"
+    return passes, started, batches
+
+
+def test_the_stop_flag_costs_no_collective_per_step():
+    """Batches looks at the stop flag every CHECK_EVERY optimizer steps, and each look only starts an agreement that
+    the next look reads (by then it has long arrived): no step waits on a collective, and a signal ends the epoch
+    within 2 x CHECK_EVERY steps, after a whole accumulation group."""
+    from common.preempt import CHECK_EVERY
+
+    passes, started, batches = looks_at_the_flag(100)
+    assert len(passes) == 100 and len(started) == (100 - 1) // CHECK_EVERY and started == [0] * len(started)
+    passes, started, batches = looks_at_the_flag(100, grad_accum=2, signal_at=7)  # during the 4th step
+    assert started == [1], started  # one look started the agreement that saw it, the next one read it
+    assert batches.steps == 2 * CHECK_EVERY and len(passes) == 2 * 2 * CHECK_EVERY
+    assert batches.stop.requested() and batches.stop.exit_status() == 75
+
+
+def test_a_part_way_epoch_continues_after_the_same_fraction():
+    """A run stopped after 10 of 20 steps per epoch, continued with 40 steps per epoch (half the batch): step 20."""
+    passes, _, batches = looks_at_the_flag(40, part={"epoch": 1, "steps": 10, "of_steps": 20})
+    assert passes[0] == 20 and batches.steps == 40 and len(batches) == 20
