@@ -1,16 +1,12 @@
-"""Step 01: train a CIFAR-10 classifier on the CPU.
+"""Step 01: train an image classifier on the CPU.
 
-The baseline every later step changes: data, model, optimizer and schedule, training, evaluation,
-checkpoints and resume, with the options every step keeps (mixed precision, channels-last,
-torch.compile, gradient accumulation). Nothing is parallel yet.
+The baseline every later step changes: data, model, optimizer and schedule, training, evaluation, checkpoints
+and resume, with the options every step keeps (mixed precision, channels-last, torch.compile, gradient
+accumulation). Nothing is parallel yet. Your own data and model: replace build_data and build_model.
 
-    python 01_cifar10_cpu.py                         # ResNet-18; downloads CIFAR-10 into ./data
-    python 01_cifar10_cpu.py --arch cnn --epochs 3   # small network: minutes on a laptop
-    python 01_cifar10_cpu.py --resume auto           # continue from the newest checkpoint
-
-SIGTERM or SIGUSR1 (Slurm's warnings before it stops a job) end the run within 16 optimizer steps, after a
-whole step, with a checkpoint that --resume auto continues exactly; the exit status is then 75 (slurm/ requeues).
+    python 01_cifar10_cpu.py --arch cnn --epochs 3   # a small network: minutes on a laptop; --resume auto goes on
 """
+import os
 import sys
 
 import torch
@@ -18,16 +14,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from common import checkpoint, data, metrics, models, preempt
-from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
+from common.cli import amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = "01_cifar10_cpu"
+STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 01: CIFAR-10 on the CPU (the baseline).", STEP)  # flags of every step
+    parser = shared_parser("Step 01: training on the CPU (the baseline).", STEP, ARCHS)  # flags of every step
     return parser.parse_args(argv)
 
 
@@ -41,21 +37,31 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
-    data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
+    data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+
+
+def build_loaders(args, train_set, test_set):
     sampler = preempt.ShuffledSampler(train_set, seed=args.seed)  # an order that depends on (seed, epoch) alone
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True)
     test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers)
-    if len(train_loader) < args.grad_accum:
-        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
     return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(args, device):
-    model = models.build_model(args.arch).to(device)
-    return model.to(memory_format=torch.channels_last) if args.channels_last else model  # NHWC weights
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+
+
+def build_model(args, num_classes):
+    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+
+
+def prepare_model(args, model, device):
+    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -126,17 +132,16 @@ def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
     stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
-    train_loader, test_loader, sampler = build_data(args)
-    synthetic = data.is_synthetic(args.data_dir)
-    model = build_model(args, device)
+    train_set, test_set, info = build_data(args)
+    train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
+    model = prepare_model(args, build_model(args, info.num_classes), device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
-    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
-    print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic))
+    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic)
+    print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new order each epoch
@@ -145,7 +150,7 @@ def main(argv=None):
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
-        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
+        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info.synthetic)
         print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break

@@ -9,6 +9,7 @@ the GradScaler of step 01 starts to act.
     python 02_cifar10_gpu.py --amp fp16               # fp16 with loss scaling (GradScaler)
     python 02_cifar10_gpu.py --arch cnn --epochs 3    # runs on the CPU too (bf16 autocast)
 """
+import os
 import sys
 
 import torch
@@ -16,16 +17,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from common import checkpoint, data, metrics, models, preempt
-from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
+from common.cli import amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = "02_cifar10_gpu"
+STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 02: CIFAR-10 on one GPU (CPU fallback).", STEP)  # flags of every step
+    parser = shared_parser("Step 02: training on one GPU (CPU fallback).", STEP, ARCHS)  # flags of every step
     return parser.parse_args(argv)
 
 
@@ -44,22 +45,32 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
-    data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
+    data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+
+
+def build_loaders(args, train_set, test_set):
     sampler = preempt.ShuffledSampler(train_set, seed=args.seed)  # an order that depends on (seed, epoch) alone
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
                               pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
     test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.cuda.is_available())
-    if len(train_loader) < args.grad_accum:
-        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
     return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(args, device):
-    model = models.build_model(args.arch).to(device)
-    return model.to(memory_format=torch.channels_last) if args.channels_last else model  # NHWC weights
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+
+
+def build_model(args, num_classes):
+    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+
+
+def prepare_model(args, model, device):
+    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -133,17 +144,16 @@ def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
     stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
-    train_loader, test_loader, sampler = build_data(args)
-    synthetic = data.is_synthetic(args.data_dir)
-    model = build_model(args, device)
+    train_set, test_set, info = build_data(args)
+    train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
+    model = prepare_model(args, build_model(args, info.num_classes), device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
-    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic)
-    print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic))
+    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic)
+    print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new order each epoch
@@ -152,7 +162,7 @@ def main(argv=None):
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
-        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
+        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info.synthetic)
         print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
             break

@@ -23,7 +23,7 @@ from common import checkpoint, data, deepspeed_support, distributed, metrics, mo
 from common.cli import UserError, amp_dtype, brief, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = "05_cifar10_deepspeed"
+STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 WARMUP_EPOCHS = 1  # DeepSpeed: SGD's momentum and weight decay are in ds_config.json
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")  # DeepSpeed: the default config
 deepspeed = exits_cleanly(deepspeed_support.load)()  # DeepSpeed: import it quietly, or say how to install it
@@ -31,7 +31,7 @@ deepspeed = exits_cleanly(deepspeed_support.load)()  # DeepSpeed: import it quie
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 05: CIFAR-10 with DeepSpeed (ZeRO 0-3), one process per GPU.", STEP)
+    parser = shared_parser("Step 05: training with DeepSpeed (ZeRO 0-3), one process per GPU.", STEP, ARCHS)
     parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by deepspeed and torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DeepSpeed: too
     parser.add_argument("--sync-bn", action="store_true",
@@ -69,10 +69,15 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
     if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
-        data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+        data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
     dist.barrier()
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+
+
+def build_loaders(args, train_set, test_set):
     # DDP: each rank draws a disjoint 1/world_size shard of one shared permutation (seed + epoch).
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
@@ -81,14 +86,20 @@ def build_data(args):
     # DDP: evaluation shards the test set without padding, so no image is counted twice.
     test_loader = DataLoader(test_set, batch_size=512, sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
                              num_workers=args.workers, pin_memory=torch.cuda.is_available())
-    if len(train_loader) < args.grad_accum:
-        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
     return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(args, device):
-    model = models.build_model(args.arch).to(device)
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+
+
+def build_model(args, num_classes):
+    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+
+
+def prepare_model(args, model, device):
+    model = model.to(device)
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
     # DeepSpeed: no wrapper (deepspeed.initialize builds the engine) and NCHW weights (ZeRO's flat buffers need them).
     return model
@@ -178,20 +189,19 @@ def main(argv=None):
         return distributed.without_launcher(main, argv)
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
-    train_loader, test_loader, sampler = build_data(args)
-    synthetic = data.is_synthetic(args.data_dir)
-    model = build_model(args, device)
+    train_set, test_set, info = build_data(args)
+    train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
+    model = prepare_model(args, build_model(args, info.num_classes), device)
     start_epoch = deepspeed_support.load_weights(args, model)  # DeepSpeed: any step's checkpoint-epochNNNN.pt: weights
     engine = build_optimizer(args, model, len(train_loader) // args.grad_accum, amp_dtype)
     start_epoch, global_step, part_done = resume(args, engine, start_epoch, len(train_loader) // args.grad_accum)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
     if args.compile:
         engine.compile()  # DeepSpeed: compiles the module inside the engine; the checkpoints do not change
-    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
+    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes
     if rank == 0:  # plumbing: one rank prints and draws
-        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size,
+        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic, processes=world_size,
                                  prefix=f"ZeRO stage {engine.zero_optimization_stage()}, "))  # DeepSpeed: as resolved
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
@@ -202,7 +212,7 @@ def main(argv=None):
             dist.broadcast(buffer, 0)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(engine, test_loader, device, memory_format))
-        save_checkpoint(args, epoch, global_step, engine, row, synthetic)  # DeepSpeed: on every rank
+        save_checkpoint(args, epoch, global_step, engine, row, info.synthetic)  # DeepSpeed: on every rank
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)

@@ -7,6 +7,7 @@ averages the gradients with allreduce, and broadcasts copy rank 0's weights and 
     horovodrun -np 4 -H localhost:4 python 06_cifar10_horovod.py
     horovodrun -np 8 -H host1:4,host2:4 python 06_cifar10_horovod.py   # 2 machines x 4 (ssh, same paths)
 """
+import os
 import sys
 
 import torch
@@ -17,14 +18,14 @@ from common import checkpoint, data, horovod_support, metrics, models, preempt
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = "06_cifar10_horovod"
+STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 hvd = exits_cleanly(horovod_support.load)()  # Horovod: import horovod.torch, or say how to build it
 
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 06: CIFAR-10 with Horovod, one process per GPU.", STEP)
+    parser = shared_parser("Step 06: training with Horovod, one process per GPU.", STEP, ARCHS)
     parser.add_argument("--sync-bn", action="store_true",
                         help="batch-norm statistics over the global batch (SyncBatchNorm; needs CUDA GPUs)")
     parser.add_argument("--fp16-allreduce", action="store_true",  # Horovod: gradient compression
@@ -55,10 +56,15 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
     if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
-        data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+        data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
     hvd.barrier()  # Horovod: in place of dist.barrier(): there is no torch process group
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+
+
+def build_loaders(args, train_set, test_set):
     # DDP: each rank draws a disjoint 1/world_size shard of one shared permutation (seed + epoch).
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
@@ -67,14 +73,20 @@ def build_data(args):
     # DDP: evaluation shards the test set without padding, so no image is counted twice.
     test_loader = DataLoader(test_set, batch_size=512, sampler=range(hvd.rank(), len(test_set), hvd.size()),
                              num_workers=args.workers, pin_memory=torch.cuda.is_available())
-    if len(train_loader) < args.grad_accum:
-        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
     return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(args, device):
-    model = models.build_model(args.arch).to(device)
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+
+
+def build_model(args, num_classes):
+    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+
+
+def prepare_model(args, model, device):
+    model = model.to(device)
     # Horovod: NCHW weights: its broadcast and allreduce refuse channels_last tensors (--channels-last: NHWC batches).
     model = horovod_support.sync_batchnorm(hvd, model) if args.sync_bn else model  # Horovod: its own SyncBatchNorm
     # Horovod: no wrapper: the plain module (DistributedOptimizer averages its gradients; resume() broadcasts it).
@@ -171,18 +183,17 @@ def main(argv=None):
     hvd.init()  # Horovod: connects to the processes horovodrun started (plain python: a group of one); no process group
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop(horovod_support.agree(hvd), args.stop_after)  # Horovod: ranks agree to stop by its allreduce
-    train_loader, test_loader, sampler = build_data(args)
-    synthetic = data.is_synthetic(args.data_dir)
-    model = build_model(args, device)
+    train_set, test_set, info = build_data(args)
+    train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
+    model = prepare_model(args, build_model(args, info.num_classes), device)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
-    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
+    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes
     if rank == 0:  # plumbing: one rank prints and draws
-        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
+        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic, processes=world_size))
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
@@ -193,7 +204,7 @@ def main(argv=None):
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
         if rank == 0:  # DDP: one writer; the others would race on the same files
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)
+            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info.synthetic)
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         hvd.barrier()  # Horovod: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
         if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto

@@ -25,13 +25,13 @@ from common import checkpoint, data, distributed, fsdp_support, metrics, models,
 from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = "08_cifar10_fsdp"
+STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 08: CIFAR-10 with FSDP2 (fully_shard) and DCP checkpoints.", STEP)
+    parser = shared_parser("Step 08: training with FSDP2 (fully_shard) and DCP checkpoints.", STEP, ARCHS)
     parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help="set by torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DDP: launcher argument
     parser.add_argument("--sync-bn", action="store_true",
@@ -65,10 +65,15 @@ def setup(args):
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
     if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
-        data.prepare_cifar10(args.data_dir)  # downloads unless a cifar-10-batches-py folder is there
+        data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
     dist.barrier()
     train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
+    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+
+
+def build_loaders(args, train_set, test_set):
     # DDP: each rank draws a disjoint 1/world_size shard of one shared permutation (seed + epoch).
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
@@ -78,14 +83,20 @@ def build_data(args):
     test_loader = DataLoader(test_set, batch_size=fsdp_support.eval_batch_size(len(test_set), dist.get_world_size()),
                              sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
                              num_workers=args.workers, pin_memory=torch.cuda.is_available())
-    if len(train_loader) < args.grad_accum:
-        raise UserError(f"{len(train_set)} training images are too few for a step: lower --batch-size/--grad-accum")
     return train_loader, test_loader, sampler
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(args, device, amp_dtype):
-    model = models.build_model(args.arch).to(device)  # FSDP: NCHW weights (--channels-last: NHWC batches only)
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+
+
+def build_model(args, num_classes):
+    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+
+
+def prepare_model(args, model, device, amp_dtype):
+    model = model.to(device)  # FSDP: NCHW weights (--channels-last: NHWC batches only)
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # FSDP: one dimension: shard over every rank
     # FSDP: the policy casts (not autocast): 16-bit weights for compute and all-gathers, fp32 shards for the optimizer,
@@ -190,19 +201,18 @@ def main(argv=None):
         return distributed.without_launcher(main, argv, args.spawn)
     device, amp_dtype, rank, world_size = setup(args)
     stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
-    train_loader, test_loader, sampler = build_data(args)
-    synthetic = data.is_synthetic(args.data_dir)
-    model = build_model(args, device, amp_dtype)
+    train_set, test_set, info = build_data(args)
+    train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
+    model = prepare_model(args, build_model(args, info.num_classes), device, amp_dtype)
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    # Each epoch's batches: whole accumulation groups, from where a stopped run left off, ending after a step on a stop.
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
-    log = metrics.MetricsLog(args.out_dir, start_epoch, synthetic) if rank == 0 else None  # DDP: rank 0 writes
+    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes
     if rank == 0:  # plumbing: one rank prints and draws
-        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, synthetic, processes=world_size))
-    amp_dtype = None  # FSDP: no autocast in the loop: the MixedPrecisionPolicy of build_model casts
+        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic, processes=world_size))
+    amp_dtype = None  # FSDP: no autocast in the loop: the MixedPrecisionPolicy of prepare_model casts
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
@@ -213,7 +223,7 @@ def main(argv=None):
             dist.broadcast(buffer, 0)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
-        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic)  # FSDP: all ranks
+        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info.synthetic)  # FSDP: every rank
         if rank == 0:  # DDP: one writer; the others would race on the same files
             print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
         dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)

@@ -2,3 +2,4 @@
 
 Nothing in here is specific to a parallelism method; the method's own code lives in the scripts.
 """
+from . import _torchvision  # noqa: E402,F401  (torchvision imports after this, also with a CPU-only torch)

@@ -3,7 +3,7 @@
 A checkpoint is a `torch.save`d dict (loaded back with `weights_only=True`, so a file that would
 run code is refused):
 
-    format       "cifar10-parallel/1"
+    format       "parallel-steps/1"
     step         the script that wrote it, e.g. "04_cifar10_ddp"
     arch         the --arch of the model
     model        state_dict of the bare model: never a `module.` prefix; tensors contiguous (NCHW)
@@ -37,7 +37,8 @@ import torch
 
 from .cli import UserError, brief, processes, rank
 
-FORMAT = "cifar10-parallel/1"
+FORMAT = "parallel-steps/1"  # (files written before it was renamed say "cifar10-parallel/1": read the same way)
+FORMATS = (FORMAT, "cifar10-parallel/1")
 ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
 # Settings of this invocation and this machine, never taken from a checkpoint's run: where to write, how to start,
 # what the hardware allows (--sync-bn needs GPUs, --compile a compiler; on/off flags without a --no- form), and the
@@ -163,7 +164,7 @@ def load(path, arch=None, mmap=False):
     except Exception as error:  # truncated zip, not a torch file at all, unreadable
         raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {brief(error, 160)}); "
                         "it may be truncated or corrupt: resume from an older checkpoint-epoch*.pt") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in FORMATS:
         raise UserError(f"{path} is not a checkpoint of this collection (expected format {FORMAT!r}); "
                         "pass a checkpoint-epochNNNN.pt written by one of the numbered scripts")
     if arch is not None and state["arch"] != arch:
@@ -241,6 +242,10 @@ def _settings_to_continue(args):
                         f"drop --arch to continue it, or start a new run in another --out-dir")
     settings = {name: value for name, value in {**state.get("args", {}), "arch": state["arch"]}.items()
                 if name not in args.given and name not in OWN_SETTINGS and hasattr(args, name)}
+    saved_epochs = state.get("args", {}).get("epochs")
+    if "epochs" in args.given and saved_epochs and args.epochs != saved_epochs:
+        print(f"note: --epochs {args.epochs}, the checkpoint's run had {saved_epochs}: the learning-rate schedule is "
+              f"stretched to {args.epochs} epochs from where the run stands (not started again)")
     before, now = state.get("processes"), processes()
     if before and before != now:
         saved = state.get("args", {})

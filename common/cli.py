@@ -97,13 +97,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def shared_parser(description, step):
-    """The flags every step shares (the README's "Shared flags"); a step adds the flags of its method."""
-    from .models import ARCHS
-
+def shared_parser(description, step, archs):
+    """The flags every step shares (the README's "Shared flags"); a step adds the flags of its method. archs: the
+    script's --arch choices (the first is the default)."""
     parser = _Parser(description=description)
     parser.add_argument("--data-dir", default="./data",
-                        help="CIFAR-10 root holding cifar-10-batches-py/ (downloaded if missing; default ./data)")
+                        help="where build_data finds the data (CIFAR-10: the folder holding cifar-10-batches-py/, "
+                             "downloaded if missing; default ./data)")
     parser.add_argument("--out-dir", default=f"runs/{step}",
                         help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{step})")
     parser.add_argument("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
@@ -114,8 +114,8 @@ def shared_parser(description, step):
                         help="forward/backward passes per optimizer step (gradient accumulation; default 1)")
     parser.add_argument("--lr", type=positive_float, default=0.1,
                         help="peak learning rate of SGD for the global batch (default 0.1)")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="resnet18",
-                        help="resnet18 (default) or cnn (small and fast, for smoke runs)")
+    parser.add_argument("--arch", choices=list(archs), default=next(iter(archs)),
+                        help=f"the model: {' or '.join(archs)} (default {next(iter(archs))})")
     parser.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
                         help="mixed precision: auto = bf16 on the CPU and on GPUs with native bf16 (Ampere on), fp16 on older GPUs; "
                              "off = fp32 (default auto)")

@@ -24,7 +24,7 @@ from multiprocessing import resource_tracker
 import torch
 from tqdm import tqdm
 
-from .cli import rank
+from .cli import UserError, rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_REQUEUE = 75  # EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume
@@ -108,8 +108,8 @@ class Batches:
 
     Whole accumulation groups only (`grad_accum` passes per optimizer step). An epoch that a stopped run began goes on
     after the optimizer steps it did (with another number of steps per epoch, after the same fraction of it). The epoch
-    ends early, after an optimizer step, once the ranks agreed to stop (Stop). A dataset with set_epoch() (ours: its
-    augmentation) is told the epoch. Rank 0 shows a progress bar on a terminal. After the loop: `start` (its
+    ends early, after an optimizer step, once the ranks agreed to stop (Stop; None: never). A dataset with set_epoch()
+    (ours: its augmentation) is told the epoch. Rank 0 shows a progress bar on a terminal. After the loop: `start` (its
     perf_counter), `steps` done of `of_steps`, and `part`, the row the stopped run saved for this epoch (or None)."""
 
     def __init__(self, loader, grad_accum, memory_format, stop, part_done=None):
@@ -117,6 +117,9 @@ class Batches:
         self.part_done = part_done or {}  # {epoch: the row a stopped run saved} (checkpoint.part_done)
         self.passes = len(loader) // grad_accum * grad_accum
         self.of_steps = self.passes // grad_accum
+        if not self.passes:
+            raise UserError(f"{len(getattr(loader, 'dataset', loader))} training images are too few for an optimizer "
+                            "step: lower --batch-size or --grad-accum")
         self.number, self.part, self.first, self.done, self.start = 0, None, 0, 0, 0.0
 
     def epoch(self, number):
@@ -142,7 +145,7 @@ class Batches:
             for index, batch in enumerate(itertools.islice(self.loader, self.first, self.passes), self.first):
                 step = index // self.grad_accum
                 if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
-                        and self.stop.requested():
+                        and self.stop is not None and self.stop.requested():
                     return  # after the optimizer step of the group before: saved as part of this epoch
                 yield batch
                 self.done = index + 1

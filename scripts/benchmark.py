@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` lives at the repository root
 
-from common import data, launchers, metrics, models  # noqa: E402
+from common import data, launchers, metrics  # noqa: E402
 from common.cli import UserError, exits_cleanly, non_negative_int, positive_float, positive_int  # noqa: E402
 from common.launchers import BIN, REPO  # noqa: E402
 from common.synthetic import write_synthetic_cifar10  # noqa: E402
@@ -37,6 +37,7 @@ from common.synthetic import write_synthetic_cifar10  # noqa: E402
 NOTE = ("SYNTHETIC DATA (common.synthetic): test accuracy and loss are not CIFAR-10 figures; "
         "throughput does not depend on the pixel values")
 Step = collections.namedtuple("Step", "number launcher multi_process library")  # launcher: common.launchers'
+MODELS = ["cnn", "resnet18"]  # the --arch choices of the numbered scripts that the benchmark runs
 STEPS = {s.number: s for s in [Step(1, "python", False, None), Step(2, "python", False, None),
                                Step(3, "python", False, None), Step(4, "torchrun", True, None),
                                Step(5, "deepspeed", True, "deepspeed"), Step(6, "horovodrun", True, "horovod"),
@@ -69,8 +70,8 @@ def step_numbers(text):
 def model_steps(text):
     """--arch value: MODEL or MODEL:STEPS, e.g. resnet18:01,04,05 (no STEPS: those of --steps)."""
     arch, _, steps = text.partition(":")
-    if arch not in models.ARCHS:
-        raise argparse.ArgumentTypeError(f"expected MODEL[:STEPS], MODEL in {sorted(models.ARCHS)}; got {text!r}")
+    if arch not in MODELS:
+        raise argparse.ArgumentTypeError(f"expected MODEL[:STEPS], MODEL in {MODELS}; got {text!r}")
     return arch, step_numbers(steps) if steps else None
 
 

@@ -138,18 +138,19 @@ def compute_rate(flags, data, device):
 
     step = runpy.run_path(str(next(REPO.glob("02_cifar10_*.py"))), run_name="gpu_check_step02")
     args = step["parse_args"](["--data-dir", str(data), *flags])
-    loader = step["build_data"](args)[0]
+    train_set, test_set, info = step["build_data"](args)
+    loader = step["build_loaders"](args, train_set, test_set)[0]
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     batches = [(x.to(device, memory_format=memory_format), y.to(device)) for x, y in itertools.islice(loader, 4)]
     batches = (batches * 25)[:min(100, len(loader))]
     torch.backends.cudnn.benchmark = True  # as 02 does on a GPU
-    dtype, model = step["amp_dtype"](args.amp, device), step["build_model"](args, device)  # 02's own choice and model
+    dtype, model = step["amp_dtype"](args.amp, device), step["prepare_model"](args, step["build_model"](
+        args, info.num_classes), device)  # 02's own precision and model
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, len(batches), device, dtype)
-    never = types.SimpleNamespace(requested=lambda: False)  # no stop signal
     from common.preempt import Batches
     threads = torch.get_num_threads()
     torch.set_num_threads(int(launchers.env()["OMP_NUM_THREADS"]))  # as a run has
-    rates = [step["train_one_epoch"](model, Batches(batches, args.grad_accum, memory_format, never).epoch(1), optimizer,
+    rates = [step["train_one_epoch"](model, Batches(batches, args.grad_accum, memory_format, None).epoch(1), optimizer,
                                      scheduler, scaler, device, dtype)["images_per_sec"] for _ in range(3)]
     torch.set_num_threads(threads)
     return max(rates[1:])  # the first pays cuDNN's algorithm search and the allocator

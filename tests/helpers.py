@@ -120,7 +120,7 @@ def assert_trained(out_dir, epochs, min_acc=0.5, ranks=1):
     assert rows[-1]["test_acc"] >= min_acc > 3 * CHANCE, rows[-1]
     assert (Path(out_dir) / "training_curves.png").stat().st_size > 1000
     state = load_checkpoint(latest_checkpoint(out_dir))
-    assert state["format"] == "cifar10-parallel/1" and state["epoch"] == epochs and state["synthetic"]
+    assert state["format"] == "parallel-steps/1" and state["epoch"] == epochs and state["synthetic"]
     assert not any(k.startswith("module.") for k in state["model"]), "checkpoint weights must be unwrapped"
     found = digests(out_dir)
     assert sorted(found) == list(range(ranks)), found
@@ -207,8 +207,9 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     args = step01["parse_args"]([str(a) for a in [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path,
                                                   "--amp", "off", "--no-channels-last"]])
     cpu = torch.device("cpu")
-    train_loader, test_loader, _ = step01["build_data"](args)
-    model = step01["build_model"](args, cpu)
+    train_set, test_set, info = step01["build_data"](args)
+    train_loader, test_loader, _ = step01["build_loaders"](args, train_set, test_set)
+    model = step01["prepare_model"](args, step01["build_model"](args, info.num_classes), cpu)
     optimizer, scheduler, scaler = step01["build_optimizer"](args, model, len(train_loader), cpu, None)
     epoch, _, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
     assert epoch == logged["epoch"]

@@ -211,13 +211,13 @@ def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(
 
 
 
-def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, monkeypatch):
+def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, monkeypatch, capsys):
     """--resume: the run's settings come from its checkpoint, read by rank 0 alone once the processes can talk
     (checkpoint.continue_run); the others get them, or rank 0's error, through `share` (on hosts without a shared
     disk they could not read the file). Parsing reads nothing."""
     from common.cli import shared_parser
 
-    parse = shared_parser("test", "test").parse_args
+    parse = shared_parser("test", "test", {"resnet18": None, "cnn": None}).parse_args
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     assert parse(["--resume", str(tmp_path / "garbage.pt")]).resume.endswith("garbage.pt")  # no error yet
     run = tmp_path / "run"
@@ -229,6 +229,8 @@ def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, mo
     seen = []
     checkpoint.continue_run(args, share=lambda verdict: seen.append(verdict) or verdict)  # rank 0
     assert (args.batch_size, args.epochs, args.arch) == (16, 9, "cnn"), "typed settings win"
+    assert "note: --epochs 9, the checkpoint's run had 7: the learning-rate schedule is stretched to 9 epochs" \
+        in capsys.readouterr().out
     monkeypatch.setenv("RANK", "1")  # another rank, on a host where the folder does not exist
     other = parse(["--resume", "auto", "--out-dir", str(tmp_path / "not-here"), "--epochs", "9"])
     checkpoint.continue_run(other, share=lambda verdict: seen[0])

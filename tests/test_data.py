@@ -127,3 +127,16 @@ def test_two_machines_downloading_into_one_shared_folder_both_succeed(tmp_path):
     assert all(output.strip().endswith("] []") for output in outputs), outputs  # nothing missing, for either
     assert sorted(p.name for p in shared.iterdir()) == ["cifar-10-batches-py"], "no download folder left behind"
     assert len(data.cifar10_datasets(str(shared))[0]) == 50
+
+
+def test_importing_any_part_of_common_makes_torchvision_importable():
+    """With a CPU-only torch, the registry's torchvision dies on import (pytorch/vision#9085). Importing anything of
+    common first (common.cli here, which reads no data) applies the work-around, as a template copy relies on."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, env
+
+    code = "import common.cli, torchvision, torchvision.models; print(torchvision.models.resnet18(num_classes=5).fc)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and "out_features=5" in proc.stdout, proc.stderr

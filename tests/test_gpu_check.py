@@ -181,7 +181,7 @@ def test_the_bundle_is_the_pins_without_torch_with_deepspeed_and_horovod_as_sour
     downloads = [line for line in output.splitlines() if " -m pip download --no-deps " in line]
     for name in ("torch", "torchvision", "pytest", "sympy"):
         assert not [line for line in downloads if line.endswith(f" {name}=={pins[name]}")], name
-    wheel = f"--only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64"
+    wheel = "--only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64"
     assert any(line.endswith(f" numpy=={pins['numpy']}") and wheel in line for line in downloads)
     assert f"--dest {out} --no-binary=:all: deepspeed=={pins['deepspeed']}" in output
     assert f"--dest {out}/sdist --no-binary=:all: horovod==0.28.1" in output and "cmake==3.31.10" in output

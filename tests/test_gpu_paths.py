@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from common import models, precision
+from common import precision
 from common.cli import UserError
 from helpers import SMOKE, script
 
@@ -57,8 +57,8 @@ def test_03_replicas_compute_in_the_runs_dtype_in_their_threads(tmp_path):
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
     with torch.autocast("cpu", dtype=torch.float16):
         # The cause: a replica thread started under autocast computes in the thread's default dtype (the CPU's bf16).
-        assert in_a_replica_thread(models.build_model("cnn"), images).dtype == torch.bfloat16
-        model = step["build_model"](args, torch.device("cpu"))
+        assert in_a_replica_thread(step["build_model"](args, 10), images).dtype == torch.bfloat16
+        model = step["prepare_model"](args, step["build_model"](args, 10), torch.device("cpu"))
         precision.autocast_in_threads(model.module, "cpu", torch.float16)  # as step 03's main() does
         # The fix: the replica (a copy of model.module, with its hooks) sets the run's dtype before its forward.
         assert in_a_replica_thread(model.module, images).dtype == torch.float16
@@ -97,7 +97,7 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     step = runpy.run_path(script(1), run_name="step01")
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--out-dir", str(tmp_path)])
     cpu, fp16 = torch.device("cpu"), torch.float16
-    model = step["build_model"](args, cpu)
+    model = step["prepare_model"](args, step["build_model"](args, 10), cpu)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
     train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, fp16)  # noqa: E731
@@ -110,7 +110,7 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     train(2)  # a scale that fits: the step is taken
     assert scaler.get_scale() == 2.0 ** 8 and not torch.equal(before["classifier.weight"], model.classifier.weight)
     path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, True)
-    model2 = step["build_model"](args, cpu)
+    model2 = step["prepare_model"](args, step["build_model"](args, 10), cpu)
     optimizer2, scheduler2, scaler2 = step["build_optimizer"](args, model2, 1, cpu, fp16)
     args.resume = path
     assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
@@ -137,7 +137,7 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
     (weights beside its fp32 statistics), fp32 logits, and a backward that goes through."""
     step = runpy.run_path(script(8), run_name="step08")
     args = step["parse_args"](["--data-dir", str(tmp_path), "--arch", "resnet18"])
-    model = step["build_model"](args, torch.device("cpu"), torch.bfloat16)
+    model = step["prepare_model"](args, step["build_model"](args, 10), torch.device("cpu"), torch.bfloat16)
     seen = {}
     for name in ("conv1", "bn1", "linear", "layers.0.conv1", "layers.0.bn1"):
         module = model.get_submodule(name)
@@ -160,7 +160,7 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
     step = runpy.run_path(script(8), run_name="step08")
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4"])
     cpu, fp16 = torch.device("cpu"), torch.float16
-    model = step["build_model"](args, cpu, fp16)
+    model = step["prepare_model"](args, step["build_model"](args, 10), cpu, fp16)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
     train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, None)  # noqa: E731
