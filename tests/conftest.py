@@ -25,6 +25,15 @@ def data(cifar_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """8 training and 8 test images, for runs that need one optimizer step, not learning: bf16 ones above all,
+    which this CPU emulates (ResNet-18: about 1 image/s)."""
+    root = tmp_path_factory.mktemp("data") / "tiny"
+    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "8", "--test-size", "8"])
+    return ["--data-dir", root]
+
+
+@pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
     """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
     out = tmp_path_factory.mktemp("run01")
@@ -51,7 +60,38 @@ def default_stop_signals():
 
 
 
+# The quick tier, for the edit-test loop (`pytest -m "not slow"`, README): the tests that run in this process or start
+# a short process, and one launch of every step through its README command (tests/test_readme.py). Every other test
+# that trains through a launcher, or waits on one, is marked slow here: whole files, then single tests.
+SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp", "test_default_model",
+              "test_fault_tolerance", "test_learning_curves", "test_slurm", "test_steps_01_04"}
+SLOW_TESTS = {
+    "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
+    "test_sigkill_during_saves_never_leaves_a_broken_checkpoint",
+    "test_two_machines_downloading_into_one_shared_folder_both_succeed",
+    "test_the_quick_start_main_job_runs_as_written",
+    "test_a_failure_is_one_line_at_the_end_under_every_launcher",
+    "test_runtime_errors_distributed_steps",
+    "test_a_fresh_run_into_another_runs_folder_is_refused_and_loses_nothing",
+    "test_a_bad_argument_under_a_launcher_is_said_once",
+    "test_a_rehearsal_on_the_cpu_runs_the_whole_check",
+    "test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check",
+    "test_a_copy_of_04_with_its_own_data_and_model_trains_and_resumes_exactly",
+    "test_a_copy_of_01_trains_under_plain_python",
+    "test_every_requested_run_ran_through_its_launcher_with_its_model",
+    "test_json_has_every_figure_or_null",
+    "test_markdown_table_has_one_row_per_run_naming_its_model",
+}
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.stem in SLOW_FILES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+    skip_horovod_tests_without_horovod(items)
+
+
+def skip_horovod_tests_without_horovod(items):
     """Without Horovod (scripts/setup.sh finishes without it where it cannot be built) the tests of step 06 skip, with
     the way to build it; CI builds it (REQUIRE_HOROVOD=1), so there they run."""
     if importlib.util.find_spec("horovod") is not None:

@@ -1,6 +1,7 @@
-"""Step 06 (Horovod) under the real horovodrun: it trains, keeps the replicas identical, resumes
-bit for bit, matches DDP (step 04) to the last bit, writes checkpoints that steps 01 and 04 load,
-and says in one line when Horovod is missing.
+"""Step 06 (Horovod) under the real horovodrun: it trains, keeps the replicas identical, matches DDP (step 04) to the
+last bit, writes checkpoints that steps 01 and 04 load, and says in one line when Horovod is missing. Its resume
+(part-way, bit for bit, only rank 0 reading the checkpoint) is tests/test_preemption.py's; that it continues 04's
+checkpoint with ResNet-18's batch-norm statistics to 04's bits, tests/test_default_model.py's.
 
 Every horovodrun start costs seconds on two cores (the launcher first checks its own build in
 subprocesses, then every rank imports torch), so one uninterrupted run serves several checks.
@@ -14,7 +15,7 @@ import shutil
 import pytest
 
 from helpers import (BIN, PYTHON, SMOKE, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     copy_checkpoint_dir, digests, free_port, horovodrun, load_checkpoint, metrics, run, run_together,
+                     copy_checkpoint_dir, digests, free_port, load_checkpoint, metrics, run, run_together,
                      script)
 
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
@@ -39,18 +40,6 @@ def test_two_processes_train_identical_replicas(run06):
     assert state["step"] == "06_cifar10_horovod" and state["args"]["grad_accum"] == 2
     # --lr is the global batch's peak learning rate, as in every step (Horovod's examples would scale it by 2).
     assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.1)
-
-
-def test_resume_matches_the_uninterrupted_run_bit_for_bit(run06, cifar_dir, tmp_path):
-    common = ["--data-dir", cifar_dir, *SMOKE, *TRAIN, "--out-dir", tmp_path]
-    first = horovodrun(2, 6, *common, "--stop-after", "1")
-    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    second = horovodrun(2, 6, *common, "--resume", "auto")
-    # Only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast.
-    assert "[0]<stdout>:resumed from epoch 1 (written by 06_cifar10_horovod)" in second.output
-    assert "[1]<stdout>:resumed" not in second.output
-    assert_trained(tmp_path, epochs=2, ranks=2)
-    assert digests(tmp_path) == digests(run06[0])
 
 
 def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):

@@ -1,25 +1,22 @@
 """Step 07 (Apex): the native successors for real on CPU, and Apex's absence said in one line.
 
 The native path (torch.autocast + GradScaler, torch DDP) runs under the legacy launcher old Apex
-tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N) and under
-torchrun. The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU and a built Apex:
-neither exists here, so they are untested; these tests check what a reader without them sees.
+tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N) and, resumed, under
+torchrun, ending with step 04's bits. The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU
+and a built Apex: neither exists here, so they are untested; these tests check what a reader without
+them sees.
 """
 import os
 
 import pytest
 
-from helpers import (EPOCHS, PYTHON, REPO, assert_one_line_error, assert_trained, checkpoint_epoch, digests,
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, assert_one_line_error, assert_trained, checkpoint_epoch, digests,
                      load_checkpoint, legacy_launch, metrics, run, script, torchrun)
 
-TRAIN = [*EPOCHS, "--batch-size", "64"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("apex-uninterrupted")
-    proc = legacy_launch(2, 7, *data, *TRAIN, "--out-dir", out)
-    return out, proc.output
+# 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
+# because the CPU emulates bf16: 01's autocast, which 07's native path shares, runs in bf16 in test_default_model.py.
+TRAIN = [*EPOCHS, *DDP_ARGS]
+ONE = [*EPOCHS, "--batch-size", "64", "--amp", "off"]  # 1 x 64: the same global batch in one process
 
 
 @pytest.fixture(scope="module")
@@ -27,33 +24,33 @@ def resumed(data, tmp_path_factory):
     """Epoch 1 under the legacy launcher, then --resume auto under torchrun: both launchers, one run."""
     out = tmp_path_factory.mktemp("apex-resumed")
     common = [*data, *TRAIN, "--out-dir", out]
-    legacy_launch(2, 7, *common, "--stop-after", "1")
-    proc = torchrun(2, 7, *common, "--resume", "auto")
-    return out, proc.output
+    first = legacy_launch(2, 7, *common, "--stop-after", "1")
+    then = torchrun(2, 7, *common, "--resume", "auto")
+    return out, first.output, then.output
 
 
-def test_native_path_trains_under_the_legacy_launcher(uninterrupted):
-    out, output = uninterrupted
+def test_native_path_trains_under_the_legacy_launcher(resumed):
+    out, output, _ = resumed
     assert_trained(out, epochs=2, ranks=2)
     chosen = [line for line in output.splitlines() if line.startswith("amp backend:")]
     assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; using its native successors "
                       "torch.autocast + GradScaler + torch DDP)"], output
     assert "optimizer: torch.optim.SGD" in output
     state = load_checkpoint(checkpoint_epoch(out, 2))
-    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # bf16 on CPU: the scaler is disabled
+    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # fp32 (or bf16): the scaler is disabled
 
 
-def test_resume_matches_the_uninterrupted_run_bit_for_bit(uninterrupted, resumed):
-    out, output = resumed
+def test_resumed_under_torchrun_it_ends_where_04_does_bit_for_bit(resumed, run04):
+    out, _, output = resumed
     assert "resumed from epoch 1 (written by 07_cifar10_apex)" in output
     assert [row["epoch"] for row in metrics(out)] == [1, 2]
-    assert digests(out) == digests(uninterrupted[0])
+    assert digests(out) == digests(run04[0]), "stopped, resumed under another launcher, and still 04's bits"
 
 
 def test_checkpoints_interchange_with_step_01(resumed, data, tmp_path):
     """01 continues from 07's epoch-1 checkpoint; 07 then loads 01's result to the last bit."""
-    run([PYTHON, script(1), *data, *TRAIN, "--out-dir", tmp_path / "01", "--resume", checkpoint_epoch(resumed[0], 1)])
-    proc = run([PYTHON, script(7), *data, *TRAIN, "--out-dir", tmp_path / "07",
+    run([PYTHON, script(1), *data, *ONE, "--out-dir", tmp_path / "01", "--resume", checkpoint_epoch(resumed[0], 1)])
+    proc = run([PYTHON, script(7), *data, *ONE, "--out-dir", tmp_path / "07",
                 "--resume", checkpoint_epoch(tmp_path / "01", 2), "--amp-backend", "torch"])
     assert "resumed from epoch 2 (written by 01_cifar10_cpu)" in proc.output
     assert digests(tmp_path / "07") == digests(tmp_path / "01")

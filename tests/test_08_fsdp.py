@@ -1,12 +1,13 @@
 """Step 08 (FSDP2 + DCP) under torchrun on the CPU: it learns, every rank holds other shards of one model,
-a sharded checkpoint resumes bit for bit and on another number of processes, and checkpoints move both
-ways between 08 and 04 (the same trajectory to the tolerance of the other cross-method tests: FSDP's
-reduce-scatter sums in another order than DDP's all-reduce)."""
+a sharded checkpoint resumes on another number of processes, and checkpoints move both ways between 08 and 04
+(the same trajectory to the tolerance of the other cross-method tests: FSDP's reduce-scatter sums in another
+order than DDP's all-reduce). Its sharded resume on the same processes ends bit for bit where 04 does, with
+ResNet-18's batch-norm statistics: tests/test_default_model.py."""
 import shutil
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
+from helpers import (DDP_ARGS, EPOCHS, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
                      metrics, run, script, torchrun, PYTHON)
 
 
@@ -39,14 +40,6 @@ def test_learns_with_each_rank_holding_its_own_shards(run08):
     assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
     assert shards[0].read_bytes() != shards[1].read_bytes(), "the ranks wrote the same data: nothing was sharded"
     assert not list((out / "dcp").glob("*.tmp")), "a finished save leaves no temporary folder"
-
-
-def test_sharded_resume_is_bit_exact(run08, data, tmp_path):
-    common = [*data, *EPOCHS, *DDP_ARGS, "--out-dir", tmp_path]
-    torchrun(2, 8, *common, "--stop-after", "1")
-    proc = torchrun(2, 8, *common, "--resume", "auto")
-    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output
-    assert digests(tmp_path) == digests(run08[0])
 
 
 def test_sharded_checkpoint_resumes_on_one_process_and_back_on_two(run08, data, tmp_path):

@@ -6,10 +6,11 @@ classes; the cnn goes from chance after epoch 1 to about 86% after epoch 2). Mea
 points of 01 (86.0 vs 85.8), so arithmetic alone (summation order across processes, kernels) stays far inside the
 tolerance, while a step a whole epoch behind would sit near chance. Step 05 with the ds_config.json and schedule
 of before (DeepSpeed's WarmupCosineLR, gradient clipping at 50) reached 76.2% and failed by 9.8 points.
+Step 05 runs ZeRO stage 0 here, which must end where 04 does to the last bit.
 """
 import pytest
 
-from helpers import PYTHON, SMOKE, launch_command, metrics, run, script
+from helpers import PYTHON, SMOKE, digests, launch_command, metrics, run, script
 
 TOLERANCE = 3.0  # percentage points of test accuracy after epoch 2
 RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
@@ -18,8 +19,9 @@ STEPS = {  # step: (launcher or None for plain python, processes, arguments besi
     1: (None, 1, ["--batch-size", "64", *FP32]),
     2: (None, 1, ["--batch-size", "64", *FP32]),
     3: (None, 1, ["--batch-size", "64", *FP32]),
-    4: ("torchrun", 2, ["--batch-size", "32", *FP32]),
-    5: ("deepspeed", 2, ["--batch-size", "32", *FP32, "--deepspeed_config", "ds_config.json"]),
+    4: ("torchrun", 2, ["--batch-size", "32", *FP32, "--no-channels-last"]),  # NCHW, as 05's weights: see below
+    5: ("deepspeed", 2, ["--batch-size", "32", *FP32, "--no-channels-last", "--deepspeed_config", "ds_config.json",
+                         "--zero-stage", "0"]),
     6: ("horovodrun", 2, ["--batch-size", "32", *FP32]),
     7: ("torchrun", 2, ["--batch-size", "32", *FP32]),
     8: ("torchrun", 2, ["--batch-size", "32", *FP32]),
@@ -44,8 +46,21 @@ def curve(step, data_dir, out_dir):
 
 
 @pytest.fixture(scope="module")
-def baseline(textures, tmp_path_factory):
-    return curve(1, textures, tmp_path_factory.mktemp("curve01"))
+def runs(textures, tmp_path_factory):
+    """run(step) -> (its out-dir, its accuracy per epoch): each step's run, made when a test first asks for it."""
+    done = {}
+
+    def run_of(step):
+        if step not in done:
+            out = tmp_path_factory.mktemp(f"curve{step:02d}")
+            done[step] = out, curve(step, textures, out)
+        return done[step]
+    return run_of
+
+
+@pytest.fixture(scope="module")
+def baseline(runs):
+    return runs(1)[1]
 
 
 def test_step_01_needs_two_epochs(baseline):
@@ -54,8 +69,15 @@ def test_step_01_needs_two_epochs(baseline):
 
 
 @pytest.mark.parametrize("step", sorted(set(STEPS) - {1}))
-def test_step_learns_like_step_01(step, textures, baseline, tmp_path):
-    accuracy = curve(step, textures, tmp_path)
+def test_step_learns_like_step_01(step, runs, baseline):
+    accuracy = runs(step)[1]
     assert abs(accuracy[-1] - baseline[-1]) <= TOLERANCE, (
         f"step {step:02d} learns unlike step 01 with the same recipe: test accuracy per epoch {accuracy} vs "
         f"{baseline} (allowed: {TOLERANCE} points after epoch 2)")
+
+
+def test_zero0_in_fp32_is_step_04_bit_for_bit(runs):
+    """ZeRO 0 in fp32 is plain data parallelism: with the same recipe (the config neither clips nor schedules on its
+    own) the engine's step is DDP's, to the last bit. NHWC weights (04's default --channels-last) would differ."""
+    ddp, engine = digests(runs(4)[0]), digests(runs(5)[0])
+    assert sorted(ddp) == [0, 1] and engine == ddp, (ddp, engine)
