@@ -26,7 +26,7 @@ def data(cifar_dir):
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """8 training and 8 test images, for runs that need one optimizer step, not learning: bf16 ones above all,
+    """8 training and 8 test images, for runs that need a few optimizer steps, not learning: bf16 ones above all,
     which this CPU emulates (ResNet-18: about 1 image/s)."""
     root = tmp_path_factory.mktemp("data") / "tiny"
     run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "8", "--test-size", "8"])

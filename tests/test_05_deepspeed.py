@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from common.checkpoint import weights_digest
-from helpers import (PYTHON, REPO, assert_01_continues_by_progress, assert_one_line_error,
+from helpers import (PYTHON, REPO, SMOKE, assert_01_continues_by_progress, assert_one_line_error,
                      assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
 
 STEP = "05_cifar10_deepspeed"
@@ -158,8 +158,8 @@ def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
     config = json.loads((REPO / "ds_config.json").read_text())
     config["bf16"]["check_grad_overflow"] = True
     (tmp_path / "overflow.json").write_text(json.dumps(config))
-    proc = deepspeed(2, *tiny_data, "--arch", "cnn", "--workers", "0", "--epochs", "2", "--batch-size", "2", "--amp",
-                     "bf16", "--lr", "1e30", "--stop-after", "1", "--deepspeed_config", tmp_path / "overflow.json",
+    proc = deepspeed(2, *tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2", "--amp", "bf16", "--lr", "1e30",
+                     "--stop-after", "1", "--deepspeed_config", tmp_path / "overflow.json",
                      "--out-dir", tmp_path / "o")
     assert "OVERFLOW! Skipping step" in proc.output
     state = load_checkpoint(checkpoint_epoch(tmp_path / "o", 1))

@@ -1,12 +1,12 @@
-"""Step 06 (Horovod) under the real horovodrun: it trains, keeps the replicas identical, matches DDP (step 04) to the
-last bit, writes checkpoints that steps 01 and 04 load, and says in one line when Horovod is missing. Its resume
-(part-way, bit for bit, only rank 0 reading the checkpoint) is tests/test_preemption.py's; that it continues 04's
-checkpoint with ResNet-18's batch-norm statistics to 04's bits, tests/test_default_model.py's.
+"""Step 06 (Horovod) under the real horovodrun: it trains, keeps the replicas identical, resumes bit for bit, matches
+DDP (step 04) to the last bit, writes checkpoints that steps 01 and 04 load, and says in one line when Horovod is
+missing. Its part-way resume after a stop signal is tests/test_preemption.py's; that it continues 04's checkpoint
+with ResNet-18's batch-norm statistics to 04's bits, tests/test_default_model.py's.
 
 Every horovodrun start costs seconds on two cores (the launcher first checks its own build in
 subprocesses, then every rank imports torch), so one uninterrupted run serves several checks.
 That run is the classic command with --grad-accum 2 (Horovod's backward_passes_per_step). The
-other runs add --gloo, which skips horovodrun's MPI probe (this build has Gloo only). All use
+resumed run adds --gloo, which skips horovodrun's MPI probe (this build has Gloo only). All use
 --amp off, so that step 01's fp32 evaluation of the checkpoint can be held to 06's logged numbers.
 Untested here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm) and --fp16-allreduce.
 """
@@ -15,8 +15,8 @@ import shutil
 import pytest
 
 from helpers import (BIN, PYTHON, SMOKE, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     copy_checkpoint_dir, digests, free_port, load_checkpoint, metrics, run, run_together,
-                     script)
+                     copy_checkpoint_dir, digests, free_port, launch_command, load_checkpoint, metrics, run,
+                     run_together, script)
 
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
 TRAIN = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
@@ -42,20 +42,28 @@ def test_two_processes_train_identical_replicas(run06):
     assert state["optimizer"]["param_groups"][0]["initial_lr"] == pytest.approx(0.1)
 
 
-def test_04_continues_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):
-    """Horovod's allreduce and DDP's average the same gradients: 04 under torchrun, resumed from 06's
-    epoch 1, ends bit-identical to the
-    uninterrupted 06 run. Meanwhile 01 continues 06's last checkpoint to a third epoch."""
+def test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on(run06, cifar_dir, tmp_path):
+    """06 itself (--grad-accum 2 is Horovod's backward_passes_per_step) and 04 under torchrun each continue the
+    uninterrupted run's epoch-1 checkpoint, and both end bit-identical to it: Horovod's allreduce and DDP's average
+    the same gradients. Only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast. Meanwhile 01
+    continues 06's last checkpoint to a third epoch."""
     out = run06[0]
-    in04, in01 = tmp_path / "04", copy_checkpoint_dir(out, tmp_path / "01")
-    in04.mkdir()
-    shutil.copy(checkpoint_epoch(out, 1), in04)
+    in06, in04, in01 = tmp_path / "06", tmp_path / "04", copy_checkpoint_dir(out, tmp_path / "01")
+    for folder in (in06, in04):
+        folder.mkdir()
+        shutil.copy(checkpoint_epoch(out, 1), folder)
     data = ["--data-dir", cifar_dir, *SMOKE]
-    ddp, continued = run_together(
+    again, ddp, continued = run_together(
+        [*launch_command("horovodrun", 2, 6), *data, *TRAIN, "--out-dir", in06, "--resume", "auto"],
         [BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", script(4), *data, *TRAIN,
          "--out-dir", in04, "--resume", "auto"],
         [PYTHON, script(1), *data, "--epochs", "3", "--batch-size", "64", "--amp", "off", "--out-dir", in01,
          "--resume", checkpoint_epoch(in01, 2)])
+    assert "[0]<stdout>:resumed from epoch 1 (written by 06_cifar10_horovod)" in again, again
+    assert "[1]<stdout>:resumed" not in again
+    assert digests(in06) == digests(out) and sorted(digests(in06)) == [0, 1]
+    same = ("epoch", "train_loss", "test_loss", "test_acc")
+    assert [metrics(in06)[-1][k] for k in same] == [metrics(out)[-1][k] for k in same]
     assert "resumed from epoch 1 (written by 06_cifar10_horovod)" in ddp
     assert digests(in04) == digests(out)
     assert metrics(in04)[-1]["test_acc"] == metrics(out)[-1]["test_acc"]

@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, assert_one_line_error, assert_trained, checkpoint_epoch, digests,
-                     load_checkpoint, legacy_launch, metrics, run, script, torchrun)
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, assert_one_line_error, assert_trained, checkpoint_epoch,
+                     digests, load_checkpoint, legacy_launch, metrics, run, script, torchrun)
 
 # 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
-# because the CPU emulates bf16: 01's autocast, which 07's native path shares, runs in bf16 in test_default_model.py.
+# because the CPU emulates bf16, which test_bf16_autocast_resumes_bit_for_bit runs on 8 images.
 TRAIN = [*EPOCHS, *DDP_ARGS]
 ONE = [*EPOCHS, "--batch-size", "64", "--amp", "off"]  # 1 x 64: the same global batch in one process
 
@@ -31,20 +31,35 @@ def resumed(data, tmp_path_factory):
 
 def test_native_path_trains_under_the_legacy_launcher(resumed):
     out, output, _ = resumed
+    assert "epoch   1/2" in output and "stopping after 1 epoch" in output, output
     assert_trained(out, epochs=2, ranks=2)
     chosen = [line for line in output.splitlines() if line.startswith("amp backend:")]
     assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; using its native successors "
                       "torch.autocast + GradScaler + torch DDP)"], output
     assert "optimizer: torch.optim.SGD" in output
     state = load_checkpoint(checkpoint_epoch(out, 2))
-    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # fp32 (or bf16): the scaler is disabled
+    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # fp32: the scaler is disabled
 
 
 def test_resumed_under_torchrun_it_ends_where_04_does_bit_for_bit(resumed, run04):
     out, _, output = resumed
     assert "resumed from epoch 1 (written by 07_cifar10_apex)" in output
     assert [row["epoch"] for row in metrics(out)] == [1, 2]
-    assert digests(out) == digests(run04[0]), "stopped, resumed under another launcher, and still 04's bits"
+    assert sorted(digests(out)) == [0, 1] and digests(out) == digests(run04[0]), "stopped, resumed, and 04's bits"
+
+
+def test_bf16_autocast_resumes_bit_for_bit(tiny_data, tmp_path):
+    """The CPU's default precision (--amp auto: bf16 autocast, the scaler disabled) on 8 images, 2 optimizer steps per
+    epoch (this CPU emulates bf16): stopped after epoch 1 under the legacy launcher and resumed under torchrun, the run
+    ends where the uninterrupted one does."""
+    tiny = [*tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2"]
+    whole = legacy_launch(2, 7, *tiny, "--out-dir", tmp_path / "whole")
+    assert "amp bf16 (auto: bf16 on the CPU)" in whole.output, whole.output
+    assert load_checkpoint(checkpoint_epoch(tmp_path / "whole", 2))["scaler"] == {}  # bf16: the scaler is disabled
+    legacy_launch(2, 7, *tiny, "--out-dir", tmp_path / "resumed", "--stop-after", "1")
+    torchrun(2, 7, *tiny, "--out-dir", tmp_path / "resumed", "--resume", "auto")
+    found = digests(tmp_path / "resumed")
+    assert sorted(found) == [0, 1] and found == digests(tmp_path / "whole"), (found, digests(tmp_path / "whole"))
 
 
 def test_checkpoints_interchange_with_step_01(resumed, data, tmp_path):

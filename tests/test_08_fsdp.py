@@ -1,8 +1,7 @@
 """Step 08 (FSDP2 + DCP) under torchrun on the CPU: it learns, every rank holds other shards of one model,
 a sharded checkpoint resumes on another number of processes, and checkpoints move both ways between 08 and 04
-(the same trajectory to the tolerance of the other cross-method tests: FSDP's reduce-scatter sums in another
-order than DDP's all-reduce). Its sharded resume on the same processes ends bit for bit where 04 does, with
-ResNet-18's batch-norm statistics: tests/test_default_model.py."""
+(held to the tolerance of the other cross-method tests). Its sharded resume on the same 2 processes ends bit
+for bit where 04 does, with ResNet-18's batch-norm statistics: tests/test_default_model.py."""
 import shutil
 
 import pytest

@@ -6,7 +6,7 @@ classes; the cnn goes from chance after epoch 1 to about 86% after epoch 2). Mea
 points of 01 (86.0 vs 85.8), so arithmetic alone (summation order across processes, kernels) stays far inside the
 tolerance, while a step a whole epoch behind would sit near chance. Step 05 with the ds_config.json and schedule
 of before (DeepSpeed's WarmupCosineLR, gradient clipping at 50) reached 76.2% and failed by 9.8 points.
-Step 05 runs ZeRO stage 0 here, which must end where 04 does to the last bit.
+Step 05 (ZeRO 2, as ds_config.json has it) must also end where 04 does, to the last bit.
 """
 import pytest
 
@@ -20,8 +20,7 @@ STEPS = {  # step: (launcher or None for plain python, processes, arguments besi
     2: (None, 1, ["--batch-size", "64", *FP32]),
     3: (None, 1, ["--batch-size", "64", *FP32]),
     4: ("torchrun", 2, ["--batch-size", "32", *FP32, "--no-channels-last"]),  # NCHW, as 05's weights: see below
-    5: ("deepspeed", 2, ["--batch-size", "32", *FP32, "--no-channels-last", "--deepspeed_config", "ds_config.json",
-                         "--zero-stage", "0"]),
+    5: ("deepspeed", 2, ["--batch-size", "32", *FP32, "--no-channels-last", "--deepspeed_config", "ds_config.json"]),
     6: ("horovodrun", 2, ["--batch-size", "32", *FP32]),
     7: ("torchrun", 2, ["--batch-size", "32", *FP32]),
     8: ("torchrun", 2, ["--batch-size", "32", *FP32]),
@@ -76,8 +75,9 @@ def test_step_learns_like_step_01(step, runs, baseline):
         f"{baseline} (allowed: {TOLERANCE} points after epoch 2)")
 
 
-def test_zero0_in_fp32_is_step_04_bit_for_bit(runs):
-    """ZeRO 0 in fp32 is plain data parallelism: with the same recipe (the config neither clips nor schedules on its
-    own) the engine's step is DDP's, to the last bit. NHWC weights (04's default --channels-last) would differ."""
+def test_zero2_in_fp32_is_step_04_bit_for_bit(runs):
+    """ZeRO 2 in fp32 (ds_config.json as it is, --amp off) takes DDP's step to the last bit: with the same recipe (the
+    config neither clips nor schedules on its own) and 2 processes, it sums the same two gradients. NHWC weights (04's
+    default --channels-last) would differ. ZeRO 0: tests/test_preemption.py."""
     ddp, engine = digests(runs(4)[0]), digests(runs(5)[0])
     assert sorted(ddp) == [0, 1] and engine == ddp, (ddp, engine)
