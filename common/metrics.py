@@ -140,11 +140,16 @@ def plot(out_dir, title):
 
 def peak_memory_mb(device):
     """Peak memory of this process so far: the CUDA allocator's peak on a GPU, else the peak
-    resident set size (which includes the Python interpreter and libraries)."""
+    resident set size (which includes the Python interpreter and libraries). On Linux that is VmHWM: ru_maxrss
+    survives exec, so a process started from a large parent (a notebook, a benchmark) would report the parent's."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
+    except (OSError, StopIteration):
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -78,11 +78,21 @@ def test_json_has_every_figure_or_null(bench):
     assert results["hardware"]["cores"] >= 1 and results["versions"]["torch"]
     assert "scripts/benchmark.py --quick" in results["command"]
     assert results["settings"]["images"] == {"cnn": [128, 32], "resnet18": [128, 32]}
+    assert results["settings"]["repeats"] == 1
     for row in results["runs"]:
         for key in ("images_per_sec", "epoch_seconds", "peak_memory_mb", "wall_seconds", "train_share_of_wall"):
             assert row[key] > 0, (row["step"], key)
         assert row["other_work_cores"] >= 0 and 0 <= row["test_acc"] <= 1 and row["test_loss"] > 0
+    # One process (1 x all cores) and two (2 x half) of each model: the pure compute rate was measured for both.
+    measured = {(c["model"], c["processes"]) for c in results["compute_images_per_sec"]}
+    assert {(r["model"], r["processes"]) for r in results["runs"]} == measured
+    for row, run_row in zip(results["summary"], results["runs"]):
+        assert row["runs"] == 1 and row["images_per_sec"] == run_row["images_per_sec"]
+        assert row["images_per_sec_range"] == [run_row["images_per_sec"]] * 2
+        assert row["compute_images_per_sec"] > 0 and row["loop_vs_compute"] > 0
         assert row["speed_vs_01"] > 0 and (row["step"] != "01" or row["speed_vs_01"] == 1)
+        # 1 epoch of 32 test images: 80% is reached or not, and the seconds are the epoch's when it is.
+        assert row["seconds_to_target"] in (None, run_row["epoch_seconds"])
 
 
 def test_markdown_table_has_one_row_per_run_naming_its_model(bench):
@@ -90,11 +100,14 @@ def test_markdown_table_has_one_row_per_run_naming_its_model(bench):
     assert "SYNTHETIC DATA" in text and "Command: `python scripts/benchmark.py --quick" in text
     assert "Hardware:" in text and f"torch {results['versions']['torch']}" in text and "Load average" in text
     header, *rows = markdown_table(text, "## Steps")
-    assert header[:5] == ["model", "step", "launcher", "processes x threads", "status"] and "img/s" in header
+    assert header[:5] == ["model", "step", "launcher", "processes x threads", "status"]
+    assert {"img/s (median)", "img/s (range)", "loop / compute", "s to 80%", "peak MB per process"} <= set(header)
     assert [(row[0], row[1]) for row in rows] == RUNS
-    for row, run_row in zip(rows, results["runs"]):
-        assert len(row) == len(header) and row[4].startswith("ran")
-        assert float(row[header.index("img/s")].replace(",", "")) == pytest.approx(run_row["images_per_sec"], abs=0.1)
+    for row, summary in zip(rows, results["summary"]):
+        cell = dict(zip(header, row))
+        assert len(row) == len(header) and cell["status"].startswith("ran") and cell["runs"] == "1"
+        assert float(cell["img/s (median)"].replace(",", "")) == pytest.approx(summary["images_per_sec"], abs=0.1)
+        assert cell["loop / compute"] == f"{100 * summary['loop_vs_compute']:.0f}%"
 
 
 def test_a_step_that_cannot_run_is_reported_as_not_run(tmp_path):
@@ -102,10 +115,10 @@ def test_a_step_that_cannot_run_is_reported_as_not_run(tmp_path):
     benchmark = load_benchmark_module()
     missing = benchmark.Step(99, "torchrun", True, None)
     args = benchmark.parse_args(["--quick", "--out-dir", str(tmp_path)])
-    row = benchmark.run_step(missing, "cnn", 2, args, {"cores": 2, "gpus": 0})
+    row = benchmark.run_step(missing, benchmark.Config("cnn", 99, 2, None), args, {"cores": 2, "gpus": 0})
     assert row["status"] == "not run" and "no 99_cifar10_*.py" in row["reason"]
-    (line,) = benchmark.step_table([row])[2:]
-    assert line.startswith("| cnn | 99 | torchrun | 2 x 1 | not run: no 99_cifar10_") and line.count("—") == 7
+    (line,) = benchmark.step_table(benchmark.summarize([row], {}, 2))[2:]
+    assert line.startswith("| cnn | 99 | torchrun | 2 x 1 | not run: no 99_cifar10_") and line.count("—") == 9
     no_library = benchmark.Step(4, "torchrun", True, "surely_not_installed_library")
     assert "surely_not_installed_library is not installed" in benchmark.why_not_runnable(no_library)
 
@@ -113,12 +126,67 @@ def test_a_step_that_cannot_run_is_reported_as_not_run(tmp_path):
 def test_arch_names_a_model_and_its_steps(tmp_path):
     benchmark = load_benchmark_module()
     parse = benchmark.parse_args
-    assert parse([]).arch == [("cnn", sorted(benchmark.STEPS)), ("resnet18", [1, 4, 5])]
-    assert parse(["--arch", "resnet18", "--steps", "01,02"]).arch == [("resnet18", [1, 2])]
-    assert parse(["--arch", "cnn:04", "--arch", "resnet18:1,5"]).arch == [("cnn", [4]), ("resnet18", [1, 5])]
-    for wrong in (["--arch", "vgg"], ["--arch", "cnn:99"], ["--steps", "1,x"]):
+    assert benchmark.DEFAULT_ARCH.split() == ["cnn:01,04,05,06,07,08", "resnet18:01,04,05,05z1,05z3,08,08x4"]
+    assert parse([]).arch == [("cnn", [(n, None, None) for n in (1, 4, 5, 6, 7, 8)]),
+                              ("resnet18", [(1, None, None), (4, None, None), (5, None, None), (5, None, 1),
+                                            (5, None, 3), (8, None, None), (8, 4, None)])]
+    assert parse(["--arch", "resnet18", "--steps", "01,02"]).arch == [("resnet18", [(1, None, None), (2, None, None)])]
+    assert parse(["--arch", "cnn:04", "--arch", "resnet18:1,5z0"]).arch == [
+        ("cnn", [(4, None, None)]), ("resnet18", [(1, None, None), (5, None, 0)])]
+    for wrong in (["--arch", "vgg"], ["--arch", "cnn:99"], ["--steps", "1,x"], ["--steps", "04z1"],
+                  ["--steps", "01x2"], ["--steps", "05z4"], ["--steps", "08x0"]):
         with pytest.raises(SystemExit):
             parse(wrong)
+    # Three rounds of every configuration, in the same order each round; 01 always one process.
+    order = benchmark.plan(parse(["--arch", "cnn:01,04", "--arch", "resnet18:08x4", "--out-dir", str(tmp_path)]))
+    config = benchmark.Config
+    one_round = [config("cnn", 1, 1, None), config("cnn", 4, 2, None), config("resnet18", 8, 4, None)]
+    assert order == [(repeat, c) for repeat in range(3) for c in one_round]
+
+
+def test_the_summary_is_the_median_and_range_of_the_runs_and_busy_runs_write_no_docs(tmp_path):
+    benchmark = load_benchmark_module()
+
+    def fake_run(step, speed, others=0.0, processes=1):
+        return {"model": "cnn", "step": step, "launcher": "python", "processes": processes, "device": "cpu",
+                "threads_per_process": 2 // processes, "status": "ran", "reason": None, "notes": [],
+                "other_work_cores": others, "images_per_sec": speed, "epoch_seconds": 1000 / speed,
+                "train_share_of_wall": 0.5, "peak_memory_mb": 500, "test_acc": 0.9, "seconds_to_target": 2000 / speed}
+
+    runs = [fake_run("01", 100), fake_run("04", 300, processes=2), fake_run("01", 120, others=0.3),
+            fake_run("04", 330, processes=2), fake_run("01", 90), fake_run("04", 270, processes=2)]
+    one, two = benchmark.summarize(runs, {("cnn", 2, 1): [110, 130, 100], ("cnn", 1, 2): [80, 60, 70]}, 2)
+    assert (one["runs"], one["images_per_sec"], one["images_per_sec_range"]) == (3, 100, [90, 120])
+    assert (two["images_per_sec"], two["images_per_sec_range"], two["speed_vs_01"]) == (300, [270, 330], 3)
+    assert one["loop_vs_compute"] == pytest.approx(100 / 110) and two["loop_vs_compute"] == pytest.approx(300 / 140)
+    assert one["seconds_to_target"] == 20 and one["busy"] and one["other_work_cores"] == 0.3 and not two["busy"]
+    assert "0.30 BUSY" in benchmark.step_table([one])[2]
+    with pytest.raises(benchmark.UserError, match="1 of 6 runs shared the machine"):
+        benchmark.refuse_busy_runs(runs, "docs/benchmark-cpu.md")
+    benchmark.refuse_busy_runs([r for r in runs if r["other_work_cores"] <= 0.2], "docs/benchmark-cpu.md")
+    with pytest.raises(SystemExit) as exit_info:  # the docs' tables take 3 runs per row
+        benchmark.main(["--quick", "--markdown", str(tmp_path / "x.md"), "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and not (tmp_path / "x.md").exists()
+
+
+def test_the_readme_speed_table_is_the_one_of_docs_benchmark_cpu():
+    """README's table is docs/benchmark-cpu.md's with fewer columns, both from one run of 3 per row on a quiet
+    machine (scripts/benchmark.py --markdown docs/benchmark-cpu.md --readme README.md writes both)."""
+    benchmark = load_benchmark_module()
+    readme, docs = (REPO / "README.md").read_text(), (REPO / "docs" / "benchmark-cpu.md").read_text()
+    block = readme.split("<!-- speed-table -->", 1)[1].split("<!-- /speed-table -->", 1)[0]
+    command = re.search(r"Command: `([^`]+)`", block).group(1)
+    assert f"Command: `{command}`" in docs and "--markdown docs/benchmark-cpu.md --readme README.md" in command
+    assert all(line in docs.splitlines() for line in block.splitlines() if line.startswith("- "))
+    assert "- Settings: 3 runs per row" in block
+    readme_header, *readme_rows = markdown_table(block, "Command")
+    docs_header, *docs_rows = markdown_table(docs, "## Steps")
+    assert readme_header == benchmark.README_COLUMNS and docs_header == benchmark.COLUMNS
+    assert len(readme_rows) == len(docs_rows) >= 13
+    for readme_row, docs_row in zip(readme_rows, docs_rows):
+        docs_cells = dict(zip(docs_header, docs_row))
+        assert dict(zip(readme_header, readme_row)) == {column: docs_cells[column] for column in readme_header}
+        assert docs_cells["runs"] == "3" and float(docs_cells["others (max)"]) <= benchmark.BUSY
 
 
 def test_gpu_flag_without_a_gpu_is_one_clear_line(capsys, tmp_path):
@@ -131,3 +199,11 @@ def test_gpu_flag_without_a_gpu_is_one_clear_line(capsys, tmp_path):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA GPU" in err and "Traceback" not in err
+
+
+def test_peak_memory_is_the_process_own_not_its_parents():
+    """ru_maxrss survives exec: a run started from a large parent (this benchmark after measuring ResNet-18, a notebook)
+    would report the parent's peak. peak_memory_mb reads the process's own (VmHWM)."""
+    ballast = b"x" * (1500 * 2**20)  # 1.5 GB written in this process, then a small child
+    proc = run([PYTHON, "-c", "import torch; from common.metrics import peak_memory_mb as p; print(p(torch.device('cpu')))"])
+    assert len(ballast) and float(proc.output.split()[-1]) < 1000, proc.output
