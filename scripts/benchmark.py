@@ -102,7 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=step_tokens, default=step_tokens("01,04,05,06,07,08"),
                    help="steps of an --arch without :STEPS (default 01,04,05,06,07,08)")
     p.add_argument("--nproc", type=positive_int, help="processes of steps 04 on (default 2; --gpu: the GPUs)")
-    p.add_argument("--repeats", type=positive_int, help="runs of each configuration, interleaved (default 3; --quick 1)")
+    p.add_argument("--repeats", type=positive_int,
+                   help="runs of each configuration, interleaved (default 3; --quick 1)")
     p.add_argument("--epochs", type=positive_int, help="epochs per run (default cnn 3, resnet18 2, --quick 1)")
     p.add_argument("--batch-size", type=positive_int, help="GLOBAL batch (default 128, --quick 32)")
     p.add_argument("--lr", type=positive_float, default=0.1, help="peak learning rate (default 0.1)")
@@ -110,7 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--amp", choices=["off", "bf16", "fp16", "auto"], default="off", help="of every step (default off)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="(default off)")
     p.add_argument("--gpu", action="store_true", help="use the CUDA GPUs (default: the CPU only, GPUs hidden)")
-    p.add_argument("--train-size", type=positive_int, help=f"synthetic training images (default {SIZES})")
+    p.add_argument("--train-size", type=positive_int, help="synthetic training images (default: cnn "
+                   f"{SIZES['cnn'][0]}, resnet18 {SIZES['resnet18'][0]})")
     p.add_argument("--test-size", type=positive_int, help="synthetic test images (default: see --train-size)")
     p.add_argument("--out-dir", default="bench", help="where the results go (default bench)")
     p.add_argument("--quiet-wait", type=non_negative_int, default=0, help="seconds to wait for a quiet machine per run")
@@ -128,9 +130,16 @@ def parse_args(argv=None):
 
 def plan(args):
     """The runs in the order they start: every configuration once, then again (--repeats rounds)."""
-    configs = [Config(arch, n, nproc or args.nproc or 2, zero) for arch, tokens in args.arch for n, nproc, zero in tokens]
+    configs = [Config(arch, n, nproc or args.nproc or 2, zero)
+               for arch, tokens in args.arch for n, nproc, zero in tokens]
     configs = [c if STEPS[c.step].multi_process else c._replace(nproc=1) for c in configs]
+    configs = list(dict.fromkeys(c._replace(zero=None) if c.zero == zero_stage_of_ds_config() and c.zero is not None
+                                 else c for c in configs))  # 08,08x2 or 05,05z2 (as shipped): one row each
     return [(repeat, config) for repeat in range(args.repeats) for config in configs]
+
+
+def zero_stage_of_ds_config():
+    return json.loads((REPO / "ds_config.json").read_text()).get("zero_optimization", {}).get("stage")
 
 
 def machine(gpu):
@@ -217,7 +226,8 @@ def command_of(step, config, args, ctx, out_dir, notes):
     (script,) = REPO.glob(f"{step.number:02d}_cifar10_*.py")
     source = script.read_text()  # its optional flags, with common/cli.py's if it uses that shared parser:
     source += (REPO / "common" / "cli.py").read_text() if "shared_parser(" in source else ""
-    flags = {flag for flag in ("--amp", "--channels-last", "--deepspeed_config", "--zero-stage") if f'"{flag}"' in source}
+    flags = {flag for flag in ("--amp", "--channels-last", "--deepspeed_config", "--zero-stage")
+             if f'"{flag}"' in source}
     command = launchers.launch_command(step.launcher, config.nproc, script) + [
         "--data-dir", str(ctx["data"][config.arch]), "--out-dir", str(out_dir), "--arch", config.arch,
         "--epochs", str(ctx["epochs"][config.arch]), "--batch-size", str(args.batch_size // config.nproc),
@@ -312,7 +322,8 @@ def summarize(runs, compute, cores):
     for (arch, step, nproc), group in groups.items():
         ran = [r for r in group if r["status"] == "ran"]
         failed = [r for r in group if r["status"] != "ran"]
-        row = {key: group[0][key] for key in ("model", "step", "launcher", "processes", "threads_per_process", "device")}
+        row = {key: group[0][key]
+               for key in ("model", "step", "launcher", "processes", "threads_per_process", "device")}
         row.update(runs=len(ran), notes=group[0]["notes"], status=failed[0]["status"] if failed else "ran",
                    reason=failed[0]["reason"] if failed else None, busy=any(r["other_work_cores"] > BUSY for r in ran),
                    other_work_cores=max((r["other_work_cores"] for r in ran), default=None))
@@ -324,11 +335,14 @@ def summarize(runs, compute, cores):
             speeds = [r["images_per_sec"] for r in ran]
             rate = compute.get((arch, row["threads_per_process"], nproc))
             parallel = min(nproc, max(1, cores // row["threads_per_process"]))  # processes that get cores of their own
+            to_target = statistics.median([r["seconds_to_target"] or float("inf") for r in ran])  # not reached: inf
             row.update({key: median(key) for key in ("images_per_sec", "epoch_seconds", "train_share_of_wall",
-                                                     "seconds_to_target", "peak_memory_mb", "test_acc")},
+                                                     "peak_memory_mb", "test_acc")},
+                       seconds_to_target=None if to_target == float("inf") else to_target,
                        images_per_sec_range=[min(speeds), max(speeds)],
                        compute_images_per_sec=rate and parallel * statistics.median(rate))
-            row["loop_vs_compute"] = row["compute_images_per_sec"] and row["images_per_sec"] / row["compute_images_per_sec"]
+            rate = row["compute_images_per_sec"]
+            row["loop_vs_compute"] = rate and row["images_per_sec"] / rate
         summary.append(row)
     for row in summary:  # same model, global batch and total threads as step 01
         base = next((b for b in summary if b["model"] == row["model"] and b["step"] == "01" and b["status"] == "ran"),
@@ -345,7 +359,8 @@ def cells(r):
     """{column: cell} of a summary row."""
     status = ("ran" if r["status"] == "ran" else f"{r['status']}: {r['reason']}").replace("|", "/")
     status += f" ({'; '.join(r['notes'])})" if r["notes"] else ""
-    out = {"model": r["model"], "step": r["step"], "launcher": r["launcher"].replace("legacy", "torch.distributed.launch"),
+    out = {"model": r["model"], "step": r["step"],
+           "launcher": r["launcher"].replace("legacy", "torch.distributed.launch"),
            "processes x threads": f"{r['processes']} x {r['threads_per_process']}" + (
                " (GPU)" if r["device"] == "cuda" else ""), "status": status, "runs": str(r["runs"])}
     if r["status"] == "ran":
@@ -397,13 +412,14 @@ def write_markdown(results, path):
         "img/s: the training loop of all processes together, timed epochs (metrics.jsonl): the median of the runs and "
         "their range. vs 01: median img/s over step 01's (same model, global batch, total threads). loop / compute: "
         "img/s over the model's pure compute rate (forward + backward + optimizer step on a batch already in memory, "
-        "the same per-process batch, threads and precision, times the processes that have cores of their own; measured in every round). "
-        f"train/wall: training-loop seconds over the command's wall time (the rest: start-up, data reading, evaluation, "
-        f"checkpoints). s to {TARGET_ACC:.0%}: training-loop seconds (epoch 1's warm-up included) until the first "
-        f"epoch whose test accuracy reached {TARGET_ACC:.0%}. peak MB per process: rank 0, max RSS on the CPU, CUDA "
-        "allocator peak on a GPU. others: cores kept busy by OTHER work on the machine during a run, the largest of "
-        f"the runs (0 = it had the machine to itself; BUSY: above {BUSY}). A step that could not run says why; its "
-        "figures are absent, not zero.", ""]
+        "the same per-process batch, threads and precision, times the processes that have cores of their own; measured "
+        "in every round on the CPU, — on a GPU; the rates are in the .json beside this page). "
+        "train/wall: training-loop seconds over the command's wall time (the rest: start-up, data reading, "
+        f"evaluation, checkpoints). s to {TARGET_ACC:.0%}: training-loop seconds (epoch 1's warm-up included) "
+        f"until the first epoch whose test accuracy reached {TARGET_ACC:.0%}. peak MB per process: rank 0, max RSS on "
+        "the CPU, CUDA allocator peak on a GPU. others: cores kept busy by OTHER work on the machine during a run, "
+        f"the largest of the runs (0 = it had the machine to itself; BUSY: above {BUSY}). A step that could not run "
+        "says why; its figures are absent, not zero.", ""]
     Path(path).write_text("\n".join(lines) + ("\n" + kept if kept else ""))
 
 
@@ -411,20 +427,26 @@ def write_readme_table(results, path, markdown):
     """Replace the block between <!-- speed-table --> marks: the command, hardware and settings, the table."""
     text = Path(path).read_text()
     begin, end = "<!-- speed-table -->\n", "<!-- /speed-table -->"
-    if begin not in text or end not in text:
+    head, _, rest = text.partition(begin)
+    if not rest or end not in rest:
         raise UserError(f"--readme {path}: no {begin.strip()} ... {end} block to replace")
+    link = os.path.relpath(Path(markdown).resolve(), Path(path).resolve().parent) if markdown else None
     block = [*header_lines(results), "", *step_table(results["summary"], README_COLUMNS), "",
-             f"All columns and what each means: [{Path(markdown).name}](docs/{Path(markdown).name})." if markdown else ""]
-    head, rest = text.split(begin, 1)
+             f"All columns and what each means: [{Path(markdown).name}]({link})." if markdown else ""]
     Path(path).write_text(head + begin + "\n".join(block).rstrip() + "\n" + end + rest.split(end, 1)[1])
 
 
-def refuse_busy_runs(runs, path):
-    """The docs' tables come only from runs that had the machine to themselves."""
-    busy = [r for r in runs if (r.get("other_work_cores") or 0) > BUSY]
+def refuse_busy_runs(runs, path, repeats=None, compute_others=()):
+    """The docs' tables come only from runs that had the machine to themselves, every row from all its runs."""
+    busy = [r for r in runs if (r.get("other_work_cores") or 0) > BUSY] + [o for o in compute_others if o > BUSY]
     if busy:
-        raise UserError(f"{len(busy)} of {len(runs)} runs shared the machine with other work (others > {BUSY} cores), "
-                        f"so {path} is left as it was: rerun on a quiet machine (--quiet-wait 60 waits for one)")
+        raise UserError(f"{len(busy)} of {len(runs) + len(compute_others)} runs and compute measurements shared the "
+                        f"machine with other work (others > {BUSY} cores), so {path} is left as it was: rerun on a "
+                        "quiet machine (--quiet-wait 60 waits for one)")
+    short = sorted({f"{r['model']} {r['step']} x{r['processes']}" for r in runs if r["status"] != "ran"})
+    if repeats and short:
+        raise UserError(f"{', '.join(short)}: fewer than {repeats} runs ran, so {path} is left as it was (see "
+                        "results.md for why)")
 
 
 @exits_cleanly
@@ -441,7 +463,7 @@ def main(argv=None):
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     for arch, _ in args.arch:
         ctx["data"][arch], ctx["images"][arch], ctx["epochs"][arch] = prepare_data(args, arch)
-    load_start, runs, compute = [round(x, 2) for x in os.getloadavg()], [], {}
+    load_start, runs, compute, compute_others = [round(x, 2) for x in os.getloadavg()], [], {}, []
     for repeat, config in plan(args):
         step = STEPS[config.step]
         runs.append(run_step(step, config, args, ctx, repeat))
@@ -449,8 +471,11 @@ def main(argv=None):
         if runs[-1]["status"] == "ran" and not args.gpu and len(compute.get((config.arch, threads, config.nproc), [])) \
                 <= repeat:  # the model's pure compute rate at this batch and threads, once per round
             wait_for_quiet(args.quiet_wait, ctx["cores"])
+            busy, start = busy_seconds(), time.perf_counter()
             rate = pure_compute(config.arch, args.batch_size // config.nproc, threads, args,
                                 seconds=0.5 if args.quick else 3.0)
+            machine_busy, own = (b - a for a, b in zip(busy, busy_seconds()))
+            compute_others.append(max(0.0, (machine_busy - own) / (time.perf_counter() - start)))
             compute.setdefault((config.arch, threads, config.nproc), []).append(rate)
     summary = summarize(runs, compute, ctx["cores"])
     results = {"command": command, "synthetic": True, "note": NOTE, "hardware": hardware, "versions": versions,
@@ -460,14 +485,16 @@ def main(argv=None):
                             "channels_last": args.channels_last, "images": ctx["images"], "epochs": ctx["epochs"]},
                "compute_images_per_sec": [{"model": a, "threads": t, "processes": n, "per_process": rates}
                                           for (a, t, n), rates in compute.items()],
+               "compute_other_work_cores": compute_others,
                "summary": summary, "runs": runs}
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=2))
     write_markdown(results, args.out_dir / "results.md")
     print("\n".join(step_table(summary)) + f"\nwrote {args.out_dir}/results.md and results.json")
     if args.markdown or args.readme:
-        refuse_busy_runs(runs, args.markdown or args.readme)
-    if args.markdown:
+        refuse_busy_runs(runs, args.markdown or args.readme, args.repeats, compute_others)
+    if args.markdown:  # and every figure behind it, next to it (docs/benchmark-cpu.json)
         write_markdown(results, args.markdown)
+        args.markdown.with_suffix(".json").write_text(json.dumps(results, indent=2))
     if args.readme:
         write_readme_table(results, args.readme, args.markdown)
 

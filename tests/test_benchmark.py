@@ -147,26 +147,70 @@ def test_arch_names_a_model_and_its_steps(tmp_path):
 def test_the_summary_is_the_median_and_range_of_the_runs_and_busy_runs_write_no_docs(tmp_path):
     benchmark = load_benchmark_module()
 
-    def fake_run(step, speed, others=0.0, processes=1):
+    def fake_run(step, speed, others=0.0, processes=1, status="ran", to_target=True):
         return {"model": "cnn", "step": step, "launcher": "python", "processes": processes, "device": "cpu",
-                "threads_per_process": 2 // processes, "status": "ran", "reason": None, "notes": [],
-                "other_work_cores": others, "images_per_sec": speed, "epoch_seconds": 1000 / speed,
-                "train_share_of_wall": 0.5, "peak_memory_mb": 500, "test_acc": 0.9, "seconds_to_target": 2000 / speed}
+                "threads_per_process": 2 // processes, "status": status, "reason": None if status == "ran" else "x",
+                "notes": [], "other_work_cores": others, "images_per_sec": speed, "epoch_seconds": 1000 / speed,
+                "train_share_of_wall": 0.5, "peak_memory_mb": 500, "test_acc": 0.9,
+                "seconds_to_target": 2000 / speed if to_target else None}
 
     runs = [fake_run("01", 100), fake_run("04", 300, processes=2), fake_run("01", 120, others=0.3),
-            fake_run("04", 330, processes=2), fake_run("01", 90), fake_run("04", 270, processes=2)]
+            fake_run("04", 330, processes=2, to_target=False), fake_run("01", 90),
+            fake_run("04", 270, processes=2, to_target=False)]
     one, two = benchmark.summarize(runs, {("cnn", 2, 1): [110, 130, 100], ("cnn", 1, 2): [80, 60, 70]}, 2)
     assert (one["runs"], one["images_per_sec"], one["images_per_sec_range"]) == (3, 100, [90, 120])
     assert (two["images_per_sec"], two["images_per_sec_range"], two["speed_vs_01"]) == (300, [270, 330], 3)
     assert one["loop_vs_compute"] == pytest.approx(100 / 110) and two["loop_vs_compute"] == pytest.approx(300 / 140)
-    assert one["seconds_to_target"] == 20 and one["busy"] and one["other_work_cores"] == 0.3 and not two["busy"]
-    assert "0.30 BUSY" in benchmark.step_table([one])[2]
-    with pytest.raises(benchmark.UserError, match="1 of 6 runs shared the machine"):
+    assert one["busy"] and one["other_work_cores"] == 0.3 and not two["busy"]
+    # Time to 80%: the median of the runs, a run that never got there counting as endless.
+    assert one["seconds_to_target"] == 20 and two["seconds_to_target"] is None
+    assert benchmark.summarize(runs[1:2] + runs[3:4], {}, 2)[0]["seconds_to_target"] is None
+    assert benchmark.summarize(runs[1:2] * 2 + runs[3:4], {}, 2)[0]["seconds_to_target"] == pytest.approx(2000 / 300)
+    assert "0.30 BUSY" in benchmark.step_table([one])[2] and "| not reached |" in benchmark.step_table([two])[2]
+    with pytest.raises(benchmark.UserError, match="1 of 6 runs and compute measurements shared the machine"):
         benchmark.refuse_busy_runs(runs, "docs/benchmark-cpu.md")
-    benchmark.refuse_busy_runs([r for r in runs if r["other_work_cores"] <= 0.2], "docs/benchmark-cpu.md")
+    quiet = [r for r in runs if r["other_work_cores"] <= 0.2]
+    benchmark.refuse_busy_runs(quiet, "docs/benchmark-cpu.md", 3, [0.05])
+    with pytest.raises(benchmark.UserError, match="compute measurements shared"):
+        benchmark.refuse_busy_runs(quiet, "docs/benchmark-cpu.md", 3, [0.05, 0.4])
+    # A row with a failed run: the row says so, and the docs are not written from it.
+    failed = benchmark.summarize(quiet + [fake_run("01", 1, status="failed")], {}, 2)[0]
+    assert failed["status"] == "failed" and failed["runs"] == 2 and "img/s (median)" not in benchmark.cells(failed)
+    with pytest.raises(benchmark.UserError, match="cnn 01 x1: fewer than 3 runs ran"):
+        benchmark.refuse_busy_runs(quiet + [fake_run("01", 1, status="failed")], "docs/benchmark-cpu.md", 3)
     with pytest.raises(SystemExit) as exit_info:  # the docs' tables take 3 runs per row
         benchmark.main(["--quick", "--markdown", str(tmp_path / "x.md"), "--out-dir", str(tmp_path)])
     assert exit_info.value.code == 2 and not (tmp_path / "x.md").exists()
+
+
+def test_a_configuration_reaches_its_script_once_with_its_flags(tmp_path):
+    benchmark = load_benchmark_module()
+    args = benchmark.parse_args(["--arch", "resnet18:05,05z2,05z3,08,08x2,08x4", "--out-dir", str(tmp_path)])
+    configs = [config for repeat, config in benchmark.plan(args) if repeat == 0]
+    assert [(c.step, c.nproc, c.zero) for c in configs] == [(5, 2, None), (5, 2, 3), (8, 2, None), (8, 4, None)]
+    ctx = {"data": {"resnet18": tmp_path}, "epochs": {"resnet18": 2}}
+    command, _ = benchmark.command_of(benchmark.STEPS[5], configs[1], args, ctx, tmp_path, [])
+    assert command[command.index("--zero-stage") + 1] == "3" and command[command.index("--batch-size") + 1] == "64"
+    command, _ = benchmark.command_of(benchmark.STEPS[8], configs[3], args, ctx, tmp_path, [])
+    assert "--nproc_per_node=4" in command and command[command.index("--batch-size") + 1] == "32"
+    assert "--zero-stage" not in benchmark.command_of(benchmark.STEPS[5], configs[0], args, ctx, tmp_path, [])[0]
+
+
+def test_readme_gets_the_table_between_its_marks_and_keeps_the_rest(tmp_path):
+    benchmark = load_benchmark_module()
+    results = json.loads((REPO / "docs" / "benchmark-cpu.json").read_text())
+    (tmp_path / "docs").mkdir()
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\nbefore\n<!-- speed-table -->\nold table\n<!-- /speed-table -->\n\nafter\n")
+    benchmark.write_readme_table(results, readme, tmp_path / "docs" / "benchmark-cpu.md")
+    head, block = readme.read_text().split("<!-- speed-table -->\n")
+    block, tail = block.split("<!-- /speed-table -->")
+    assert head == "# Title\n\nbefore\n" and tail == "\n\nafter\n" and "old table" not in block
+    assert "\n".join(benchmark.step_table(results["summary"], benchmark.README_COLUMNS)) in block
+    assert block.rstrip().endswith("[benchmark-cpu.md](docs/benchmark-cpu.md).")
+    readme.write_text("<!-- /speed-table -->\n<!-- speed-table -->\n")
+    with pytest.raises(benchmark.UserError, match="no <!-- speed-table --> ... <!-- /speed-table --> block"):
+        benchmark.write_readme_table(results, readme, None)
 
 
 def test_the_readme_speed_table_is_the_one_of_docs_benchmark_cpu():
@@ -187,6 +231,10 @@ def test_the_readme_speed_table_is_the_one_of_docs_benchmark_cpu():
         docs_cells = dict(zip(docs_header, docs_row))
         assert dict(zip(readme_header, readme_row)) == {column: docs_cells[column] for column in readme_header}
         assert docs_cells["runs"] == "3" and float(docs_cells["others (max)"]) <= benchmark.BUSY
+    # ... and docs/benchmark-cpu.json, written beside it by the same run, holds the figures of both.
+    recorded = json.loads((REPO / "docs" / "benchmark-cpu.json").read_text())
+    assert recorded["command"] == command and len(recorded["runs"]) == 3 * len(docs_rows)
+    assert "\n".join(benchmark.step_table(recorded["summary"])) in docs
 
 
 def test_gpu_flag_without_a_gpu_is_one_clear_line(capsys, tmp_path):
@@ -205,5 +253,6 @@ def test_peak_memory_is_the_process_own_not_its_parents():
     """ru_maxrss survives exec: a run started from a large parent (this benchmark after measuring ResNet-18, a notebook)
     would report the parent's peak. peak_memory_mb reads the process's own (VmHWM)."""
     ballast = b"x" * (1500 * 2**20)  # 1.5 GB written in this process, then a small child
-    proc = run([PYTHON, "-c", "import torch; from common.metrics import peak_memory_mb as p; print(p(torch.device('cpu')))"])
+    child = "import torch; from common.metrics import peak_memory_mb as p; print(p(torch.device('cpu')))"
+    proc = run([PYTHON, "-c", child])
     assert len(ballast) and float(proc.output.split()[-1]) < 1000, proc.output
