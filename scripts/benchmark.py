@@ -47,7 +47,7 @@ STEPS = {s.number: s for s in [Step(1, "python", False, None), Step(2, "python",
                                Step(3, "python", False, None), Step(4, "torchrun", True, None),
                                Step(5, "deepspeed", True, "deepspeed"), Step(6, "horovodrun", True, "horovod"),
                                Step(7, "legacy", True, None), Step(8, "torchrun", True, None)]}
-# Per model: synthetic images (train, test) and epochs. A resnet18 image costs ~30x the cnn's on the CPU.
+# Per model: synthetic images (train, test) and epochs. A resnet18 image costs ~40x the cnn's on the CPU.
 SIZES = {"cnn": (5000, 1000, 3), "resnet18": (256, 128, 2)}
 QUICK_SIZE = (128, 32, 1)
 DEFAULT_ARCH = "cnn:01,04,05,06,07,08 resnet18:01,04,05,05z1,05z3,08,08x4"  # on a CPU 02 and 03 run 01's code
@@ -117,7 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="bench", help="where the results go (default bench)")
     p.add_argument("--quiet-wait", type=non_negative_int, default=0, help="seconds to wait for a quiet machine per run")
     p.add_argument("--markdown", type=Path, help="also write results.md here (as docs/benchmark-cpu.md is written); "
-                   f"refused unless every run had the machine to itself (others <= {BUSY}) and --repeats >= 3")
+                   f"refused unless every run had the machine to itself (others <= {BUSY}) and ran, --repeats >= 3")
     p.add_argument("--readme", type=Path, help="also replace the table between <!-- speed-table --> marks in this file")
     args = p.parse_args(argv)
     default = [model_steps(text) for text in DEFAULT_ARCH.split()]
@@ -187,10 +187,10 @@ def prepare_data(args, arch):
     return root, (train, test), args.epochs or sizes[2]
 
 
-def pure_compute(arch, batch, threads, args, device="cpu", seconds=3.0):
+def pure_compute(arch, batch, threads, args, seconds=3.0):
     """Images/s of the model's forward + backward + optimizer step alone (SGD as the steps), on one batch already in
     memory, `threads` threads, the run's precision and layout: what the training loop would reach with no data,
-    communication or bookkeeping."""
+    communication or bookkeeping. On the CPU only (the table's column is empty for GPU runs)."""
     import torch
     import torch.nn.functional as F
 
@@ -198,23 +198,21 @@ def pure_compute(arch, batch, threads, args, device="cpu", seconds=3.0):
 
     torch.manual_seed(0)
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = getattr(models, arch)(num_classes=10, mean=data.MEAN, std=data.STD).to(device, memory_format=layout)
+    model = getattr(models, arch)(num_classes=10, mean=data.MEAN, std=data.STD).to(memory_format=layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, device=device).to(memory_format=layout)
-    labels = torch.randint(0, 10, (batch,), device=device)
-    dtype = cli.amp_dtype(args.amp, torch.device(device))
+    images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8).to(memory_format=layout)
+    labels = torch.randint(0, 10, (batch,))
+    dtype = cli.amp_dtype(args.amp, torch.device("cpu"))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         steps, start = 0, None
         while start is None or time.perf_counter() - start < seconds or steps < 3:
-            with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(images), labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            if device != "cpu":
-                torch.cuda.synchronize()
             steps, start = (0, time.perf_counter()) if start is None else (steps + 1, start)  # step 1: warm-up
         return steps * batch / (time.perf_counter() - start)
     finally:
