@@ -33,7 +33,7 @@ if [[ $PLATFORM =~ ^manylinux_2_([0-9]+)_(.+)$ ]]; then
     for ((m = BASH_REMATCH[1] - 1; m >= 17; m--)); do TAGS+=(--platform "manylinux_2_${m}_${BASH_REMATCH[2]}"); done
     TAGS+=(--platform "manylinux2014_${BASH_REMATCH[2]}")
 fi
-NOT='^(torch|torchvision|filelock|fsspec|jinja2|markupsafe|mpmath|networkx|sympy|pytest|iniconfig|pluggy|pygments)=='
+NOT='^(torch|torchvision|filelock|fsspec|jinja2|markupsafe|mpmath|networkx|sympy|pytest|pytest-xdist|execnet|iniconfig|pluggy|pygments)=='
 mapfile -t SPECS < <(grep -E '^[A-Za-z0-9][A-Za-z0-9_.-]*==' "$REPO/requirements.txt" | grep -viE "$NOT")
 SPECS+=(setuptools==84.2.1 wheel==0.48.0 "${EXTRA[@]}")
 HOROVOD=horovod==$(sed -n 's/^HVD_VERSION=//p' "$REPO/scripts/install_horovod.sh")

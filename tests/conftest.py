@@ -5,16 +5,17 @@ import signal
 
 import pytest
 
-from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, run, script, torchrun
+from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, once, run, script, torchrun
 
 
 @pytest.fixture(scope="session")
 def cifar_dir(tmp_path_factory):
     """A synthetic CIFAR-10 in the real format, written by the documented command."""
-    root = tmp_path_factory.mktemp("data") / "synthetic"
-    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", TRAIN_SIZE,
-         "--test-size", TEST_SIZE])
-    return root
+    def make(folder):
+        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", TRAIN_SIZE,
+             "--test-size", TEST_SIZE])
+        return folder
+    return once(tmp_path_factory, "synthetic", make)
 
 
 @pytest.fixture(scope="session")
@@ -28,25 +29,26 @@ def data(cifar_dir):
 def tiny_data(tmp_path_factory):
     """8 training and 8 test images, for runs that need a few optimizer steps, not learning: bf16 ones above all,
     which this CPU emulates (ResNet-18: about 1 image/s)."""
-    root = tmp_path_factory.mktemp("data") / "tiny"
-    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "8", "--test-size", "8"])
-    return ["--data-dir", root]
+    def make(folder):
+        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "8", "--test-size", "8"])
+        return ["--data-dir", folder]
+    return once(tmp_path_factory, "tiny", make)
 
 
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
     """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
-    out = tmp_path_factory.mktemp("run01")
-    run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out])
-    return out
+    def make(out):
+        run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out])
+        return out
+    return once(tmp_path_factory, "run01", make)
 
 
 @pytest.fixture(scope="session")
 def run04(tmp_path_factory, data):
     """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
-    out = tmp_path_factory.mktemp("run04")
-    proc = torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out)
-    return out, proc.output
+    return once(tmp_path_factory, "run04",
+                lambda out: (out, torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out).output))
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +86,17 @@ SLOW_TESTS = {
 }
 
 
+# The files, heaviest first: seconds of a run in 2 pytest-xdist workers on the 2-core machine (pytest --durations=0,
+# summed per file). pytest.ini's `--dist loadfile` hands each worker a whole file when it is free: in this order the
+# two end within seconds of each other, not with one worker running the slowest file alone.
+WEIGHT = {"test_default_model": 327, "test_05_deepspeed": 299, "test_steps_01_04": 266, "test_learning_curves": 233,
+          "test_bad_input": 208, "test_preemption": 198, "test_fault_tolerance": 172, "test_readme": 144,
+          "test_benchmark": 141, "test_07_apex": 119, "test_08_fsdp": 117, "test_slurm": 108, "test_06_horovod": 76,
+          "test_template": 75, "test_gpu_check": 63, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
+
+
 def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -WEIGHT.get(item.path.stem, 0))  # stable: each file's own order stays
     for item in items:
         if item.path.stem in SLOW_FILES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)

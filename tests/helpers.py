@@ -6,12 +6,14 @@ synthetic CIFAR-10 written in the real on-disk format and read by torchvision's 
 """
 import json
 import os
+import pickle
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from common import launchers
 from common.launchers import BIN, PYTHON, REPO, env, free_port  # noqa: F401 (the tests import them from here)
@@ -24,6 +26,24 @@ SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
 CHANCE = 0.10
 EPOCHS = ["--epochs", "2"]
 DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
+
+
+def once(tmp_path_factory, name, make):
+    """make(folder), once per test session, for a fixture that many tests read: under pytest-xdist every worker sets up
+    session and module fixtures of its own, so the first worker to ask makes it (in a folder that every worker sees,
+    under a file lock) and the others wait for it and get what it returned."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, which holds each worker's basetemp
+    folder = base / "once" / name
+    result = folder.with_suffix(".pickle")
+    folder.parent.mkdir(exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not result.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            result.write_bytes(pickle.dumps(make(folder)))
+    return pickle.loads(result.read_bytes())
 
 
 def script(number):
@@ -133,6 +153,24 @@ def copy_checkpoint_dir(src, dst):
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(latest_checkpoint(src), dst)
+    return dst
+
+
+def as_after_epoch(src, dst, epoch, rows=True):
+    """dst: the out-dir `src` as it was after `epoch`, which is what `--stop-after EPOCH` leaves (the same run, stopped
+    there): that epoch's checkpoint, with its DeepSpeed engine or sharded (dcp/) checkpoint where the step writes one,
+    and metrics.jsonl's rows up to it (rows=False: none, as a kill before the row was written leaves it)."""
+    src, dst, tag = Path(src), Path(dst), f"epoch{epoch:04d}"
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(checkpoint_epoch(src, epoch), dst)
+    for folder in ("ds_checkpoints", "dcp"):
+        if (src / folder / tag).is_dir():
+            shutil.copytree(src / folder / tag, dst / folder / tag)
+    if (src / "ds_checkpoints").is_dir():
+        (dst / "ds_checkpoints" / "latest").write_text(tag)
+    if rows:
+        lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (dst / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["epoch"] <= epoch))
     return dst
 
 

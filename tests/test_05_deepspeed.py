@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from common.checkpoint import weights_digest
-from helpers import (PYTHON, REPO, SMOKE, assert_01_continues_by_progress, assert_one_line_error,
-                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
+from helpers import (PYTHON, REPO, SMOKE, as_after_epoch, assert_01_continues_by_progress, assert_one_line_error,
+                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script)
 
 STEP = "05_cifar10_deepspeed"
 # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
@@ -48,9 +48,7 @@ def losses(out_dir):
 
 @pytest.fixture(scope="module")
 def run05(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run05")
-    proc = deepspeed(2, *data, *ZERO2, "--out-dir", out)
-    return out, proc.output
+    return once(tmp_path_factory, "run05", lambda out: (out, deepspeed(2, *data, *ZERO2, "--out-dir", out).output))
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +56,14 @@ def zero3(data, tmp_path_factory):
     """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), stopped after epoch 1 of 2. DeepSpeed keeps
     weights under 1e5 elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
     model's: the config sets 0."""
-    out = tmp_path_factory.mktemp("zero3")
-    config = json.loads((REPO / "ds_config.json").read_text())
-    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    (out / "zero3.json").write_text(json.dumps(config))
-    proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off", "--stop-after", "1",
-                     "--deepspeed_config", out / "zero3.json", "--out-dir", out)
-    return out, proc.output
+    def make(out):
+        config = json.loads((REPO / "ds_config.json").read_text())
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        (out / "zero3.json").write_text(json.dumps(config))
+        proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off", "--stop-after", "1",
+                         "--deepspeed_config", out / "zero3.json", "--out-dir", out)
+        return out, proc.output
+    return once(tmp_path_factory, "zero3", make)
 
 
 def test_zero2_bf16_trains_identical_replicas_quietly(run05):
@@ -84,9 +83,8 @@ def test_zero2_bf16_trains_identical_replicas_quietly(run05):
 
 
 def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
-    common = [*data, *ZERO2, "--out-dir", tmp_path]
-    first = deepspeed(2, *common, "--stop-after", "1")
-    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
+    """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine: run05's end, exactly."""
+    as_after_epoch(run05[0], tmp_path, 1)
     # One process cannot take two processes' ZeRO shards: the line names the way that works (weights only).
     alone = run([PYTHON, script(5), "--out-dir", tmp_path, "--resume", tmp_path / "ds_checkpoints"], check=False,
                 DS_ACCELERATOR="cpu")  # the engine's folder: the settings come from the export beside it
@@ -94,7 +92,7 @@ def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
                           f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
     assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 64), this one has 1 (global "
                               "batch 32)") == 1, alone.output  # settings from the checkpoint: --grad-accum 2, --batch-size 16
-    second = deepspeed(2, *common, "--resume", "auto")
+    second = deepspeed(2, *data, *ZERO2, "--out-dir", tmp_path, "--resume", "auto")
     assert (f"resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint "
             f"{tmp_path / 'ds_checkpoints' / 'epoch0001'}") in second.output
     assert losses(tmp_path) == losses(run05[0]), "the resumed run must log the uninterrupted run's losses"
@@ -103,7 +101,7 @@ def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
 
 def test_zero3_partitions_and_trains(zero3):
     out, output = zero3
-    assert "ZeRO stage 3, amp off" in output
+    assert "ZeRO stage 3, amp off" in output and "stopping after 1 epoch" in output
     assert_trained(out, epochs=1, min_acc=0.4, ranks=2)  # one warm-up epoch: well above chance already
     shards = sorted(path.name for path in (out / "ds_checkpoints" / "epoch0001").iterdir())
     assert shards == [f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"

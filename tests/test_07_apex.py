@@ -11,7 +11,7 @@ import os
 import pytest
 
 from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, assert_one_line_error, assert_trained, checkpoint_epoch,
-                     digests, load_checkpoint, legacy_launch, metrics, run, script, torchrun)
+                     digests, load_checkpoint, legacy_launch, metrics, once, run, script, torchrun)
 
 # 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
 # because the CPU emulates bf16, which test_bf16_autocast_resumes_bit_for_bit runs on 8 images.
@@ -22,11 +22,12 @@ ONE = [*EPOCHS, "--batch-size", "64", "--amp", "off"]  # 1 x 64: the same global
 @pytest.fixture(scope="module")
 def resumed(data, tmp_path_factory):
     """Epoch 1 under the legacy launcher, then --resume auto under torchrun: both launchers, one run."""
-    out = tmp_path_factory.mktemp("apex-resumed")
-    common = [*data, *TRAIN, "--out-dir", out]
-    first = legacy_launch(2, 7, *common, "--stop-after", "1")
-    then = torchrun(2, 7, *common, "--resume", "auto")
-    return out, first.output, then.output
+    def make(out):
+        common = [*data, *TRAIN, "--out-dir", out]
+        first = legacy_launch(2, 7, *common, "--stop-after", "1")
+        then = torchrun(2, 7, *common, "--resume", "auto")
+        return out, first.output, then.output
+    return once(tmp_path_factory, "apex-resumed", make)
 
 
 def test_native_path_trains_under_the_legacy_launcher(resumed):

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     metrics, run, script, torchrun, PYTHON)
+from helpers import (DDP_ARGS, EPOCHS, as_after_epoch, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
+                     metrics, once, run, script, torchrun, PYTHON)
 
 
 def epoch_close(a, b):
@@ -19,17 +19,8 @@ def epoch_close(a, b):
 
 @pytest.fixture(scope="module")
 def run08(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run08")
-    proc = torchrun(2, 8, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out)
-    return out, proc.output
-
-
-def epoch1_only(src, dst):
-    """dst: src's out-dir as it was after epoch 1 (its sharded and its common checkpoint)."""
-    (dst / "dcp").mkdir(parents=True)
-    shutil.copytree(src / "dcp" / "epoch0001", dst / "dcp" / "epoch0001")
-    shutil.copy(checkpoint_epoch(src, 1), dst)
-    return dst
+    return once(tmp_path_factory, "run08", lambda out: (out, torchrun(2, 8, *data, *EPOCHS, *DDP_ARGS, "--out-dir",
+                                                                      out).output))
 
 
 def test_learns_with_each_rank_holding_its_own_shards(run08):
@@ -44,14 +35,14 @@ def test_learns_with_each_rank_holding_its_own_shards(run08):
 def test_sharded_checkpoint_resumes_on_one_process_and_back_on_two(run08, data, tmp_path):
     """2 -> 1: DCP reshards the 2-process checkpoint for one process (global batch kept: 1 x 64), which
     trains epoch 2 as the 2-process run did. 1 -> 2: that run's checkpoint continues on 2 processes."""
-    one = epoch1_only(run08[0], tmp_path / "one")
+    one = as_after_epoch(run08[0], tmp_path / "one", 1, rows=False)
     proc = run([PYTHON, script(8), *data, "--epochs", "2", "--batch-size", "64", "--amp", "off", "--out-dir", one,
                 "--resume", "auto"])
     assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output
     epoch_close(metrics(run08[0])[1], metrics(one)[-1])
     proc = torchrun(2, 8, *data, "--epochs", "3", *DDP_ARGS, "--out-dir", one, "--resume", "auto")
     assert "resumed from epoch 2 (written by 08_cifar10_fsdp), sharded" in proc.output
-    # epoch 1's row came from the checkpoint epoch1_only() left (metrics.jsonl agrees with the checkpoints)
+    # epoch 1's row came from its checkpoint (no metrics.jsonl was left: it agrees with the checkpoints)
     assert [row["epoch"] for row in metrics(one)] == [1, 2, 3] and metrics(one)[-1]["test_acc"] >= 0.5
 
 

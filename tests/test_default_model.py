@@ -16,7 +16,7 @@ every tensor of the state_dict, buffers included).
 """
 import pytest
 
-from helpers import (PYTHON, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run, script)
+from helpers import (PYTHON, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script)
 
 RESNET = ["--arch", "resnet18", "--workers", "0", "--seed", "0", "--lr", "0.005"]
 FP32 = [*RESNET, "--amp", "off", "--epochs", "2"]
@@ -25,9 +25,10 @@ ONE, TWO = [*FP32, "--batch-size", "16"], [*FP32, "--batch-size", "8"]
 
 @pytest.fixture(scope="session")
 def resnet_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data") / "resnet"
-    run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", root, "--train-size", "64", "--test-size", "32"])
-    return ["--data-dir", root]
+    def make(folder):
+        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "64", "--test-size", "32"])
+        return ["--data-dir", folder]
+    return once(tmp_path_factory, "resnet", make)
 
 
 def launch(launcher, nproc, number, *args, **kw):
@@ -48,17 +49,15 @@ def assert_learns_with_batch_norm(out_dir, ranks):
 
 @pytest.fixture(scope="session")
 def resnet01(resnet_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("resnet01")
-    run([PYTHON, script(1), *resnet_data, *ONE, "--out-dir", out])
-    return out
+    return once(tmp_path_factory, "resnet01", lambda out: run([PYTHON, script(1), *resnet_data, *ONE, "--out-dir", out])
+                and out)
 
 
 @pytest.fixture(scope="session")
 def resnet04(resnet_data, tmp_path_factory):
     """The reference of the distributed steps: 04 under torchrun, 2 processes x 8 images, uninterrupted."""
-    out = tmp_path_factory.mktemp("resnet04")
-    launch("torchrun", 2, 4, *resnet_data, *TWO, "--out-dir", out)
-    return out
+    return once(tmp_path_factory, "resnet04", lambda out: launch("torchrun", 2, 4, *resnet_data, *TWO, "--out-dir", out)
+                and out)
 
 
 def test_01_learns_and_02_stopped_then_03_resumed_ends_exactly_there(resnet01, resnet_data, tmp_path):

@@ -10,7 +10,7 @@ Step 05 (ZeRO 2, as ds_config.json has it) must also end where 04 does, to the l
 """
 import pytest
 
-from helpers import PYTHON, SMOKE, digests, launch_command, metrics, run, script
+from helpers import PYTHON, SMOKE, digests, launch_command, metrics, once, run, script
 
 TOLERANCE = 3.0  # percentage points of test accuracy after epoch 2
 RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
@@ -29,9 +29,10 @@ STEPS = {  # step: (launcher or None for plain python, processes, arguments besi
 
 @pytest.fixture(scope="module")
 def textures(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data") / "textures"
-    run([PYTHON, "-m", "common.synthetic", "--data-dir", root, "--train-size", "3000", "--test-size", "500"])
-    return root
+    def make(folder):
+        run([PYTHON, "-m", "common.synthetic", "--data-dir", folder, "--train-size", "3000", "--test-size", "500"])
+        return folder
+    return once(tmp_path_factory, "textures", make)
 
 
 def curve(step, data_dir, out_dir):
@@ -47,14 +48,7 @@ def curve(step, data_dir, out_dir):
 @pytest.fixture(scope="module")
 def runs(textures, tmp_path_factory):
     """run(step) -> (its out-dir, its accuracy per epoch): each step's run, made when a test first asks for it."""
-    done = {}
-
-    def run_of(step):
-        if step not in done:
-            out = tmp_path_factory.mktemp(f"curve{step:02d}")
-            done[step] = out, curve(step, textures, out)
-        return done[step]
-    return run_of
+    return lambda step: once(tmp_path_factory, f"curve{step:02d}", lambda out: (out, curve(step, textures, out)))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import digests, launch_command, load_checkpoint, metrics, run, start
+from helpers import digests, launch_command, load_checkpoint, metrics, once, run, start
 
 # (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
 # every rank, under its own launcher) and 06 (its own collectives, under horovodrun). 02, 03, 07 and 08 run 01's
@@ -58,15 +58,11 @@ def uninterrupted(data, tmp_path_factory):
     one of 04 for 04, 05 and 06. Made once, when a test first asks for it. No loader workers (the batches do not
     depend on them): fewer forks of a threaded process, which CPython 3.11 can deadlock in (a DataLoader worker hung
     once in os.fork's child-side clean-up here)."""
-    done = {}
-
     def reference(number):
         number = 4 if number in SHARED else number
-        if number not in done:
-            done[number] = tmp_path_factory.mktemp(f"uninterrupted{number:02d}")
-            (launcher, nproc), = [(la, n) for num, la, n in CASES if num == number]
-            run(command(number, launcher, nproc, data, done[number], "--workers", "0"))
-        return done[number]
+        (launcher, nproc), = [(la, n) for num, la, n in CASES if num == number]
+        return once(tmp_path_factory, f"uninterrupted{number:02d}",
+                    lambda out: run(command(number, launcher, nproc, data, out, "--workers", "0")) and out)
     return reference
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from common.checkpoint import weights_digest
 from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_01_continues_by_progress, assert_one_line_error, assert_trained,
-                     checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
+                     checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, once, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
@@ -37,8 +37,8 @@ FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02
 
 @pytest.fixture(scope="module")
 def run02(tmp_path_factory, data):
-    out = tmp_path_factory.mktemp("run02")
-    return out, run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir", out]).output
+    return once(tmp_path_factory, "run02", lambda out: (out, run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir",
+                                                                      out]).output))
 
 
 def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, data):

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from helpers import BIN, PYTHON, REPO, digests, free_port, load_checkpoint, metrics, run, script
+from helpers import BIN, PYTHON, REPO, as_after_epoch, digests, free_port, load_checkpoint, metrics, run, script
 
 README = (REPO / "README.md").read_text()
 TABLE = README.split("<!-- template-files -->")[1].split("<!-- /template-files -->")[0]
@@ -131,7 +131,7 @@ def test_a_copy_of_04_with_its_own_data_and_model_trains_and_resumes_exactly(png
     assert last["train_loss"] < first["train_loss"] and last["test_acc"] > 2 / CLASSES, (first, last)
     state = load_checkpoint(tmp_path / "whole" / "checkpoint-epoch0003.pt")
     assert (state["step"], state["arch"], state["synthetic"]) == ("my_job", "tiny", False)
-    torchrun(tmp_path / "resumed", "--stop-after", "2")
+    as_after_epoch(tmp_path / "whole", tmp_path / "resumed", 2)  # what --stop-after 2 leaves
     resumed = torchrun(tmp_path / "resumed", "--resume", "auto")
     assert "resumed from epoch 2 (written by my_job)" in resumed.output
     assert digests(tmp_path / "resumed") == digests(tmp_path / "whole") and sorted(digests(tmp_path / "whole")) == [0, 1]
