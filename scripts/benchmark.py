@@ -49,7 +49,7 @@ STEPS = {s.number: s for s in [Step(1, "python", False, None), Step(2, "python",
                                Step(7, "legacy", True, None), Step(8, "torchrun", True, None)]}
 # Per model: synthetic images (train, test) and epochs. A resnet18 image costs ~40x the cnn's on the CPU.
 SIZES = {"cnn": (5000, 1000, 3), "resnet18": (256, 128, 2)}
-QUICK_SIZE = (128, 32, 1)
+QUICK_SIZE = (64, 32, 1)
 DEFAULT_ARCH = "cnn:01,04,05,06,07,08 resnet18:01,04,05,05z1,05z3,08,08x4"  # on a CPU 02 and 03 run 01's code
 TARGET_ACC = 0.80  # time to this test accuracy
 BUSY = 0.2  # cores of other work above which a run's figures do not count for the docs
@@ -187,7 +187,7 @@ def prepare_data(args, arch):
     return root, (train, test), args.epochs or sizes[2]
 
 
-def pure_compute(arch, batch, threads, args, seconds=3.0):
+def pure_compute(arch, batch, threads, args, seconds=3.0, min_steps=3):
     """Images/s of the model's forward + backward + optimizer step alone (SGD as the steps), on one batch already in
     memory, `threads` threads, the run's precision and layout: what the training loop would reach with no data,
     communication or bookkeeping. On the CPU only (the table's column is empty for GPU runs)."""
@@ -207,7 +207,7 @@ def pure_compute(arch, batch, threads, args, seconds=3.0):
     torch.set_num_threads(threads)
     try:
         steps, start = 0, None
-        while start is None or time.perf_counter() - start < seconds or steps < 3:
+        while start is None or time.perf_counter() - start < seconds or steps < min_steps:
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(model(images), labels)
             loss.backward()
@@ -471,7 +471,7 @@ def main(argv=None):
             wait_for_quiet(args.quiet_wait, ctx["cores"])
             busy, start = busy_seconds(), time.perf_counter()
             rate = pure_compute(config.arch, args.batch_size // config.nproc, threads, args,
-                                seconds=0.5 if args.quick else 3.0)
+                                **({"seconds": 0.5, "min_steps": 1} if args.quick else {}))
             machine_busy, own = (b - a for a, b in zip(busy, busy_seconds()))
             compute_others.append(max(0.0, (machine_busy - own) / (time.perf_counter() - start)))
             compute.setdefault((config.arch, threads, config.nproc), []).append(rate)
