@@ -7,7 +7,8 @@ Every launch costs seconds on two cores (the launcher's two processes and every 
 DeepSpeed), so there are five, each serving several checks:
 * run05: ZeRO-2 in bf16, 2 processes x 16 images x 2 accumulated passes, 2 epochs, the README's
   command (`deepspeed -q`, DS_ACCELERATOR=cpu): the uninterrupted reference;
-* the same with --stop-after 1, then --resume auto: must end bit-identical to run05;
+* run05's out-dir as --stop-after 1 leaves it (a copy of epoch 1: the same bits), then --resume auto: must end
+  bit-identical to run05;
 * zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
   numbers), with a config that partitions even the small model's weights; epoch 1 of 2, 2 processes x 8
   images, so that step 01 continuing its export at batch 64 meets another batch arithmetic;

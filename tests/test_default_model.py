@@ -49,15 +49,19 @@ def assert_learns_with_batch_norm(out_dir, ranks):
 
 @pytest.fixture(scope="session")
 def resnet01(resnet_data, tmp_path_factory):
-    return once(tmp_path_factory, "resnet01", lambda out: run([PYTHON, script(1), *resnet_data, *ONE, "--out-dir", out])
-                and out)
+    def make(out):
+        run([PYTHON, script(1), *resnet_data, *ONE, "--out-dir", out])
+        return out
+    return once(tmp_path_factory, "resnet01", make)
 
 
 @pytest.fixture(scope="session")
 def resnet04(resnet_data, tmp_path_factory):
     """The reference of the distributed steps: 04 under torchrun, 2 processes x 8 images, uninterrupted."""
-    return once(tmp_path_factory, "resnet04", lambda out: launch("torchrun", 2, 4, *resnet_data, *TWO, "--out-dir", out)
-                and out)
+    def make(out):
+        launch("torchrun", 2, 4, *resnet_data, *TWO, "--out-dir", out)
+        return out
+    return once(tmp_path_factory, "resnet04", make)
 
 
 def test_01_learns_and_02_stopped_then_03_resumed_ends_exactly_there(resnet01, resnet_data, tmp_path):

@@ -61,8 +61,11 @@ def uninterrupted(data, tmp_path_factory):
     def reference(number):
         number = 4 if number in SHARED else number
         (launcher, nproc), = [(la, n) for num, la, n in CASES if num == number]
-        return once(tmp_path_factory, f"uninterrupted{number:02d}",
-                    lambda out: run(command(number, launcher, nproc, data, out, "--workers", "0")) and out)
+
+        def make(out):
+            run(command(number, launcher, nproc, data, out, "--workers", "0"))
+            return out
+        return once(tmp_path_factory, f"uninterrupted{number:02d}", make)
     return reference
 
 
