@@ -87,8 +87,9 @@ SLOW_TESTS = {
 
 
 # The files, heaviest first: seconds of a run in 2 pytest-xdist workers on the 2-core machine (pytest --durations=0,
-# summed per file). pytest.ini's `--dist loadfile` hands each worker a whole file when it is free: in this order the
-# two end within seconds of each other, not with one worker running the slowest file alone.
+# summed per file). pytest.ini's `--dist loadfile` gives each worker whole files, the next one in this order as soon as
+# it is near the end of its queue: heaviest first, so that the run does not end with one worker running a slow file
+# alone while the other idles.
 WEIGHT = {"test_default_model": 327, "test_05_deepspeed": 299, "test_steps_01_04": 266, "test_learning_curves": 233,
           "test_bad_input": 208, "test_preemption": 198, "test_fault_tolerance": 172, "test_readme": 144,
           "test_benchmark": 141, "test_07_apex": 119, "test_08_fsdp": 117, "test_slurm": 108, "test_06_horovod": 76,

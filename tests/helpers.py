@@ -33,7 +33,7 @@ def once(tmp_path_factory, name, make):
     session and module fixtures of its own, so the first worker to ask makes it (in a folder that every worker sees,
     under a file lock) and the others wait for it and get what it returned."""
     base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if base.name == f"popen-{os.environ.get('PYTEST_XDIST_WORKER')}":
         base = base.parent  # the session's folder, which holds each worker's basetemp
     folder = base / "once" / name
     result = folder.with_suffix(".pickle")
@@ -42,7 +42,8 @@ def once(tmp_path_factory, name, make):
         if not result.exists():
             shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
             folder.mkdir()
-            result.write_bytes(pickle.dumps(make(folder)))
+            result.with_suffix(".part").write_bytes(pickle.dumps(make(folder)))
+            os.replace(result.with_suffix(".part"), result)  # whole or absent, even if this worker is killed
     return pickle.loads(result.read_bytes())
 
 

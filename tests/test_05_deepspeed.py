@@ -84,7 +84,8 @@ def test_zero2_bf16_trains_identical_replicas_quietly(run05):
 
 
 def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
-    """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine: run05's end, exactly."""
+    """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine: run05's end, exactly.
+    That epoch 1 repeats bit for bit in a launch of its own is held for DeepSpeed in tests/test_default_model.py."""
     as_after_epoch(run05[0], tmp_path, 1)
     # One process cannot take two processes' ZeRO shards: the line names the way that works (weights only).
     alone = run([PYTHON, script(5), "--out-dir", tmp_path, "--resume", tmp_path / "ds_checkpoints"], check=False,

@@ -41,7 +41,7 @@ def curve(step, data_dir, out_dir):
     start = [PYTHON, script(step)] if launcher is None else launch_command(launcher, nproc, step)
     run([*start, "--data-dir", data_dir, *RECIPE, *extra, "--out-dir", out_dir], DS_ACCELERATOR="cpu")
     accuracy = [round(100 * row["test_acc"], 1) for row in metrics(out_dir)]
-    print(f"step {step:02d}: test accuracy per epoch {accuracy}")  # the docs' table: pytest -s this file
+    print(f"step {step:02d}: test accuracy per epoch {accuracy}")  # the docs' table: pytest -s -n 0 this file
     return accuracy
 
 
