@@ -4,6 +4,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 
 
 class UserError(Exception):
@@ -94,6 +95,8 @@ class _Parser(argparse.ArgumentParser):
         if rank() == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        else:  # a rank that ended first would have the launcher stop rank 0 before it says why: let rank 0 end first
+            time.sleep(30)
         sys.exit(2)
 
 
@@ -146,7 +149,6 @@ def exits_cleanly(main):
         print(line, file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             import json
-            import time
 
             # torchrun's summary calls the failure with the smallest timestamp (whole seconds) the root cause; a tie
             # goes to the one it lists first (ranks that exited by themselves, in rank order). A cause is stamped a
