@@ -5,7 +5,8 @@ import signal
 
 import pytest
 
-from helpers import DDP_ARGS, EPOCHS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, once, run, script, torchrun
+from helpers import (DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, once, readme_command, run,
+                     shell)
 
 
 @pytest.fixture(scope="session")
@@ -35,20 +36,57 @@ def tiny_data(tmp_path_factory):
     return once(tmp_path_factory, "tiny", make)
 
 
+# Uninterrupted runs that several test files read, each started by its step's command in the README (with flags
+# appended), so that tests/test_readme.py holds the README's commands to them.
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
     """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
     def make(out):
-        run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out])
+        shell(readme_command(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out)
         return out
     return once(tmp_path_factory, "run01", make)
+
+
+def fp32_run(tmp_path_factory, data, number):
+    """(out-dir, output) of step 02 or 03 for 2 epochs in fp32 (this CPU emulates bf16, several times slower)."""
+    def make(out):
+        return out, shell(readme_command(number), *data, *EPOCHS, "--amp", "off", "--out-dir", out).output
+    return once(tmp_path_factory, f"run{number:02d}", make)
+
+
+@pytest.fixture(scope="session")
+def run02(tmp_path_factory, data):
+    return fp32_run(tmp_path_factory, data, 2)
+
+
+@pytest.fixture(scope="session")
+def run03(tmp_path_factory, data):
+    return fp32_run(tmp_path_factory, data, 3)
+
+
+def two_processes(tmp_path_factory, name, number, *args):
+    """(out-dir, output) of step `number`'s README command with 2 processes and `args`."""
+    def make(out):
+        return out, shell(readme_command(number), *args, "--out-dir", out).output
+    return once(tmp_path_factory, name, make)
 
 
 @pytest.fixture(scope="session")
 def run04(tmp_path_factory, data):
     """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
-    return once(tmp_path_factory, "run04",
-                lambda out: (out, torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out).output))
+    return two_processes(tmp_path_factory, "run04", 4, *data, *EPOCHS, *DDP_ARGS)
+
+
+@pytest.fixture(scope="session")
+def run06(tmp_path_factory, cifar_dir):
+    """Step 06 under horovodrun (the classic command), 2 processes x 16 images x 2 accumulated passes, fp32."""
+    return two_processes(tmp_path_factory, "run06", 6, "--data-dir", cifar_dir, *SMOKE, *HOROVOD_ARGS)
+
+
+@pytest.fixture(scope="session")
+def run08(tmp_path_factory, data):
+    """Step 08 under torchrun, 2 processes x 32 images, fp32."""
+    return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS)
 
 
 @pytest.fixture(autouse=True)

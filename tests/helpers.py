@@ -7,6 +7,8 @@ synthetic CIFAR-10 written in the real on-disk format and read by torchvision's 
 import json
 import os
 import pickle
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,6 +28,8 @@ SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
 CHANCE = 0.10
 EPOCHS = ["--epochs", "2"]
 DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
+HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]  # 2 x 16 x 2 = 64 per step
+README = (REPO / "README.md").read_text()
 
 
 def once(tmp_path_factory, name, make):
@@ -67,11 +71,25 @@ def run(cmd, timeout=300, check=True, **env_extra):
 def assert_ranks_agree(cmd):
     """Every run a test starts ends with the same state on every rank: the weights-rankN.sha256 files (a hash of
     every tensor of the state_dict, batch-norm statistics too) in its --out-dir are all equal."""
-    words = [str(c) for c in cmd]
+    words = [word for c in cmd for word in (shlex.split(str(c)) if " " in str(c) else [str(c)])]  # also inside `bash -c`
     for i, word in enumerate(words[:-1]):
         if word == "--out-dir":
             found = digests(words[i + 1])
             assert len(set(found.values())) <= 1, f"the ranks ended with different states: {found}\n{' '.join(words)}"
+
+
+def readme_command(number):
+    """Step `number`'s launch command as the README's table of steps gives it, its 4 processes made 2 (2 cores here)."""
+    (command,) = re.findall(rf"^\| {number:02d} \| .*? \| `([^`]+)` \| \[", README, re.M)
+    return re.sub(r"(nproc_per_node=|--num_gpus |-np |localhost:)4\b", r"\g<1>2", command)
+
+
+def shell(command, *appended, **kw):
+    """Run a command as the README types it, through bash from the repository root, with flags appended (argparse: the
+    last one wins). torchrun's default port 29500 comes from PET_MASTER_PORT here: a free one, so that two such runs
+    side by side (two pytest-xdist workers) do not meet. The README's deepspeed command keeps 29500: one at a time."""
+    return run(["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])],
+               **{"PET_MASTER_PORT": free_port(), **kw})
 
 
 def launch_command(launcher, nproc, number):

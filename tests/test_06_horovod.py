@@ -14,20 +14,12 @@ import shutil
 
 import pytest
 
-from helpers import (BIN, PYTHON, SMOKE, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     copy_checkpoint_dir, digests, free_port, launch_command, load_checkpoint, metrics, once, run,
+from helpers import (BIN, HOROVOD_ARGS, PYTHON, SMOKE, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
+                     copy_checkpoint_dir, digests, free_port, launch_command, load_checkpoint, metrics, run,
                      run_together, script)
 
-# 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
-TRAIN = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
-
-
-@pytest.fixture(scope="module")
-def run06(cifar_dir, tmp_path_factory):
-    """The uninterrupted 2-process run, started exactly as the README's classic command."""
-    return once(tmp_path_factory, "run06", lambda out: (out, run(
-        [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", PYTHON, script(6), "--data-dir", cifar_dir, *SMOKE,
-         *TRAIN, "--out-dir", out]).output))
+TRAIN = HOROVOD_ARGS  # 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step
+# run06 (conftest.py): the uninterrupted 2-process run, started exactly as the README's classic command, with TRAIN.
 
 
 def test_two_processes_train_identical_replicas(run06):

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from helpers import (DDP_ARGS, EPOCHS, as_after_epoch, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     metrics, once, run, script, torchrun, PYTHON)
+                     metrics, run, script, torchrun, PYTHON)
 
 
 def epoch_close(a, b):
@@ -15,12 +15,6 @@ def epoch_close(a, b):
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-3)
     assert b["test_loss"] == pytest.approx(a["test_loss"], rel=2e-3)
     assert abs(b["test_acc"] - a["test_acc"]) <= 0.02
-
-
-@pytest.fixture(scope="module")
-def run08(data, tmp_path_factory):
-    return once(tmp_path_factory, "run08", lambda out: (out, torchrun(2, 8, *data, *EPOCHS, *DDP_ARGS, "--out-dir",
-                                                                      out).output))
 
 
 def test_learns_with_each_rank_holding_its_own_shards(run08):

@@ -1,44 +1,38 @@
 """Steps 01-04 run the way the README tells a reader to run them, and deliver what they promise.
 
-One uninterrupted run per step serves several checks (run01 and run04 are session fixtures in
-conftest.py, shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons work because every run uses one thread per process
-and the data order and augmentation depend only on (seed, epoch, sample index).
+One uninterrupted run per step serves several checks (run01 to run04 are session fixtures in conftest.py, started by
+the README's commands and shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons
+work because every run uses one thread per process and the data order and augmentation depend only on (seed, epoch,
+sample index).
 """
 import subprocess
 
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, assert_01_continues_by_progress, assert_one_line_error, assert_trained,
-                     checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, once, run, script, torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_01_continues_by_progress, assert_one_line_error, assert_trained,
+                     checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
 
 
 def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
-    first = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", tmp_path, "--stop-after", "1"])
-    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    row1 = (tmp_path / "metrics.jsonl").read_text()
-    (tmp_path / "metrics.jsonl").write_text("")  # as a kill between the checkpoint's rename and its row leaves it
+    """run01 as --stop-after 1 leaves it (that a stopped launch repeats its epochs bit for bit: 03 below, and 02 with
+    ResNet-18 in tests/test_default_model.py), resumed in a launch that names only where and how."""
+    as_after_epoch(run01, tmp_path, 1, rows=False)  # as a kill between the checkpoint's rename and its row leaves it
     # Only where and how: data, model, epochs, batch, precision and seed come from the checkpoint's run.
     second = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto",
                   "--workers", "2"])  # another worker count: the batches must not change
     assert "resumed from epoch 1" in second.output
     assert_trained(tmp_path, epochs=2)
     assert digests(tmp_path) == digests(run01), "resumed run must end bit-identical to the uninterrupted one"
-    assert (tmp_path / "metrics.jsonl").read_text().startswith(row1), "epoch 1's row comes back from its checkpoint"
+    assert metrics(tmp_path)[0] == metrics(run01)[0], "epoch 1's row comes back from its checkpoint"
     other = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto", "--arch", "resnet18"], check=False)
     assert_one_line_error(other, "--arch resnet18 contradicts", "which holds a cnn model")
 
 
 FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02/03's mechanics in fp32
-
-
-@pytest.fixture(scope="module")
-def run02(tmp_path_factory, data):
-    return once(tmp_path_factory, "run02", lambda out: (out, run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir",
-                                                                      out]).output))
 
 
 def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, data):
@@ -48,11 +42,10 @@ def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, data):
     assert row["train_loss"] < 2.2, row  # below chance's ln(10) = 2.30 after one warm-up epoch: it learns
 
 
-def test_02_and_03_run_on_cpu_and_agree(tmp_path, data, run02):
-    out2, out3 = run02[0], tmp_path / "03"
-    dp = run([PYTHON, script(3), *data, *EPOCHS, *FP32, "--out-dir", out3])
-    assert "no CUDA GPU found" in run02[1] and "amp off" in run02[1]
-    assert "passthrough" in dp.output
+def test_02_and_03_run_on_cpu_and_agree(run02, run03):
+    (out2, output2), (out3, output3) = run02, run03
+    assert "no CUDA GPU found" in output2 and "amp off" in output2
+    assert "passthrough" in output3
     assert_trained(out2, epochs=2)
     assert_trained(out3, epochs=2)
     # Without GPUs DataParallel only calls the model: the weights must be exactly step 02's.
@@ -63,7 +56,8 @@ def test_02_and_03_run_on_cpu_and_agree(tmp_path, data, run02):
 def test_03_stopped_then_02_resumed_ends_exactly_there(tmp_path, data, run02):
     """Stopped after epoch 1 by 03, resumed by 02: the same bits as the uninterrupted 02 run (02 and 03 are
     bit-identical on a CPU, checked above). The other way round, with ResNet-18: tests/test_default_model.py."""
-    run([PYTHON, script(3), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--stop-after", "1"])
+    first = run([PYTHON, script(3), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--stop-after", "1"])
+    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
     run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--resume", "auto"])
     assert digests(tmp_path) == digests(run02[0])
 
