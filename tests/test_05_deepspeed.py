@@ -5,8 +5,8 @@ is one line.
 
 Every launch costs seconds on two cores (the launcher's two processes and every rank import
 DeepSpeed), so there are five, each serving several checks:
-* run05: ZeRO-2 in bf16, 2 processes x 16 images x 2 accumulated passes, 2 epochs, the README's
-  command (`deepspeed -q`, DS_ACCELERATOR=cpu): the uninterrupted reference;
+* run05: ZeRO-2 in bf16, 2 processes x 4 images x 2 accumulated passes, 2 epochs of small_data (bf16 is emulated on
+  this CPU), the README's command (`deepspeed -q`, DS_ACCELERATOR=cpu): the uninterrupted reference;
 * run05's out-dir as --stop-after 1 leaves it (a copy of epoch 1: the same bits), then --resume auto: must end
   bit-identical to run05;
 * zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
@@ -27,8 +27,8 @@ from helpers import (PYTHON, REPO, SMOKE, as_after_epoch, assert_01_continues_by
                      assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script)
 
 STEP = "05_cifar10_deepspeed"
-# 2 processes x 16 images x 2 accumulated passes = 64 images per optimizer step.
-ZERO2 = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--zero-stage", "2", "--amp", "bf16"]
+# 2 processes x 4 images x 2 accumulated passes = 16 images per optimizer step, 20 steps per epoch of small_data.
+ZERO2 = ["--epochs", "2", "--batch-size", "4", "--grad-accum", "2", "--zero-stage", "2", "--amp", "bf16"]
 OURS = ("no CUDA GPU found", f"{STEP}:", "epoch ", "stopping after", "resumed from", "not started by")
 
 
@@ -48,8 +48,8 @@ def losses(out_dir):
 
 
 @pytest.fixture(scope="module")
-def run05(data, tmp_path_factory):
-    return once(tmp_path_factory, "run05", lambda out: (out, deepspeed(2, *data, *ZERO2, "--out-dir", out).output))
+def run05(small_data, tmp_path_factory):
+    return once(tmp_path_factory, "run05", lambda out: (out, deepspeed(2, *small_data, *ZERO2, "--out-dir", out).output))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def zero3(data, tmp_path_factory):
 def test_zero2_bf16_trains_identical_replicas_quietly(run05):
     out, output = run05
     assert_trained(out, epochs=2, ranks=2)
-    assert "ZeRO stage 2, amp bf16, batch 16 per process x 2 processes x 2 accumulation = 64 global" in output
+    assert "ZeRO stage 2, amp bf16, batch 4 per process x 2 processes x 2 accumulation = 16 global" in output
     assert output.count("epoch   2/2") == 1, "only rank 0 logs"
     noise = [line for line in output.splitlines() if line.strip() and not line.startswith(OURS)]
     assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)
@@ -83,7 +83,7 @@ def test_zero2_bf16_trains_identical_replicas_quietly(run05):
     assert (out / "ds_checkpoints" / "latest").read_text().strip() == "epoch0002"
 
 
-def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
+def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, small_data, tmp_path):
     """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine: run05's end, exactly.
     That epoch 1 repeats bit for bit in a launch of its own is held for DeepSpeed in tests/test_default_model.py."""
     as_after_epoch(run05[0], tmp_path, 1)
@@ -92,9 +92,9 @@ def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, data, tmp_path):
                 DS_ACCELERATOR="cpu")  # the engine's folder: the settings come from the export beside it
     assert_one_line_error(alone, "holds the optimizer state of 2 processes, this run has 1",
                           f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
-    assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 64), this one has 1 (global "
-                              "batch 32)") == 1, alone.output  # settings from the checkpoint: --grad-accum 2, --batch-size 16
-    second = deepspeed(2, *data, *ZERO2, "--out-dir", tmp_path, "--resume", "auto")
+    assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 16), this one has 1 (global "
+                              "batch 8)") == 1, alone.output  # settings from the checkpoint: --grad-accum 2, --batch-size 4
+    second = deepspeed(2, *small_data, *ZERO2, "--out-dir", tmp_path, "--resume", "auto")
     assert (f"resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint "
             f"{tmp_path / 'ds_checkpoints' / 'epoch0001'}") in second.output
     assert losses(tmp_path) == losses(run05[0]), "the resumed run must log the uninterrupted run's losses"

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, assert_one_line_error, assert_trained, checkpoint_epoch,
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, as_after_epoch, assert_one_line_error, assert_trained, checkpoint_epoch,
                      digests, load_checkpoint, legacy_launch, metrics, once, run, script, torchrun)
 
 # 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
@@ -51,13 +51,13 @@ def test_resumed_under_torchrun_it_ends_where_04_does_bit_for_bit(resumed, run04
 
 def test_bf16_autocast_resumes_bit_for_bit(tiny_data, tmp_path):
     """The CPU's default precision (--amp auto: bf16 autocast, the scaler disabled) on 8 images, 2 optimizer steps per
-    epoch (this CPU emulates bf16): stopped after epoch 1 under the legacy launcher and resumed under torchrun, the run
-    ends where the uninterrupted one does."""
+    epoch (this CPU emulates bf16): the legacy launcher's run as it was after epoch 1 (what a stopped launch leaves:
+    the `resumed` fixture), resumed under torchrun, ends where the uninterrupted one does."""
     tiny = [*tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2"]
     whole = legacy_launch(2, 7, *tiny, "--out-dir", tmp_path / "whole")
     assert "amp bf16 (auto: bf16 on the CPU)" in whole.output, whole.output
     assert load_checkpoint(checkpoint_epoch(tmp_path / "whole", 2))["scaler"] == {}  # bf16: the scaler is disabled
-    legacy_launch(2, 7, *tiny, "--out-dir", tmp_path / "resumed", "--stop-after", "1")
+    as_after_epoch(tmp_path / "whole", tmp_path / "resumed", 1)  # a stopped legacy launch: the `resumed` fixture
     torchrun(2, 7, *tiny, "--out-dir", tmp_path / "resumed", "--resume", "auto")
     found = digests(tmp_path / "resumed")
     assert sorted(found) == [0, 1] and found == digests(tmp_path / "whole"), (found, digests(tmp_path / "whole"))

@@ -35,8 +35,8 @@ def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
 FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02/03's mechanics in fp32
 
 
-def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, data):
-    proc = run([PYTHON, script(2), *data, "--epochs", "1", "--batch-size", "32", "--out-dir", tmp_path])
+def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, small_data):
+    proc = run([PYTHON, script(2), *small_data, "--epochs", "1", "--batch-size", "8", "--out-dir", tmp_path])
     assert "no CUDA GPU found" in proc.output and "amp bf16" in proc.output  # auto on the CPU: bf16 autocast
     (row,) = metrics(tmp_path)
     assert row["train_loss"] < 2.2, row  # below chance's ln(10) = 2.30 after one warm-up epoch: it learns
