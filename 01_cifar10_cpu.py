@@ -138,7 +138,7 @@ def main(argv=None):
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done, metrics.Profile(args))
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic)
     print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic))

@@ -182,7 +182,7 @@ def main(argv=None):
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done, metrics.Profile(args))
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes
     if rank == 0:  # plumbing: one rank prints and draws

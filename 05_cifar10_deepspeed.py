@@ -196,7 +196,7 @@ def main(argv=None):
     engine = build_optimizer(args, model, len(train_loader) // args.grad_accum, amp_dtype)
     start_epoch, global_step, part_done = resume(args, engine, start_epoch, len(train_loader) // args.grad_accum)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done)  # each epoch's, see loop
+    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done, metrics.Profile(args))
     if args.compile:
         engine.compile()  # DeepSpeed: compiles the module inside the engine; the checkpoints do not change
     log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes

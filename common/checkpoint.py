@@ -44,7 +44,7 @@ ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps
 # what the hardware allows (--sync-bn needs GPUs, --compile a compiler; on/off flags without a --no- form), and the
 # DeepSpeed config's path (absolute, of the checkout that wrote it).
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers", "compile", "sync_bn",
-                "fp16_allreduce", "dist_timeout", "deepspeed_config"}
+                "fp16_allreduce", "dist_timeout", "deepspeed_config", "profile"}
 TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # the name of one epoch's folder in ds_checkpoints/ or dcp/
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 

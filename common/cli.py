@@ -134,6 +134,10 @@ def shared_parser(description, step, archs):
                         help="replace the run already in --out-dir (its checkpoints and metrics) instead of refusing")
     parser.add_argument("--stop-after", type=positive_int, metavar="N",
                         help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
+    parser.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
+                        help="trace N optimizer steps with torch.profiler (from the 4th step on) into --out-dir "
+                             "(profile-rankR.json) and print each rank's shares of compute, communication and data "
+                             "(docs/debugging.md)")
     return parser
 
 

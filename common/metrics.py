@@ -1,6 +1,7 @@
-"""metrics.jsonl (one JSON object per epoch), console lines, and the training-curve PNG."""
+"""metrics.jsonl (one JSON object per epoch), console lines, the training-curve PNG, and --profile's trace."""
 import json
 import os
+import re
 import sys
 import time
 
@@ -153,3 +154,90 @@ def peak_memory_mb(device):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# Events of a collective in a torch.profiler trace: gloo's and NCCL's own spans (the time the collective was in flight,
+# waiting for the other ranks included), c10d's operators, Horovod's.
+COLLECTIVE = re.compile(r"gloo:|nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|horovod", re.I)
+PROFILE_AFTER = 3  # optimizer steps before the trace: DDP regroups its buckets after the first, caches settle
+
+
+class Profile:
+    """--profile N: a torch.profiler trace of N optimizer steps (from step PROFILE_AFTER + 1 of the run, so within its
+    first epoch), written to out_dir/profile-rankR.json (open it in https://ui.perfetto.dev or chrome://tracing), and a
+    line per rank that says where the steps' time went (docs/debugging.md): compute (the operators of the training
+    loop's thread), communication (a collective in flight while that thread computes nothing: waiting for the other
+    ranks), data (waiting for the next batch) and other (Python, and whatever else held the rank up).
+    preempt.Batches calls step() as each optimizer step begins and times its waits for data: the loop does not change.
+    On a GPU the operators are launched asynchronously: there the shares are the host's; the trace's GPU rows show the
+    kernels and NCCL's."""
+
+    def __init__(self, args):
+        self.steps, self.out_dir, self.count, self.profiler, self.data = args.profile, args.out_dir, 0, None, 0.0
+
+    def step(self):
+        """An optimizer step begins."""
+        self.count += 1
+        if self.steps and self.count == PROFILE_AFTER + 1:
+            import torch.profiler as tp
+
+            activities = [tp.ProfilerActivity.CPU] + [tp.ProfilerActivity.CUDA] * _cuda_in_use()
+            self.profiler, self.data, self.start = tp.profile(activities=activities), 0.0, time.perf_counter()
+            self.profiler.__enter__()
+        elif self.profiler and self.count == PROFILE_AFTER + 1 + self.steps:
+            self.finish()
+
+    def waited(self, seconds):
+        """The training loop waited `seconds` for its next batch."""
+        self.data += seconds if self.profiler else 0.0
+
+    def finish(self):
+        """Stop the trace (after its N steps, or at the end of the epoch if that comes first), write it, say the shares."""
+        if not self.profiler:
+            return
+        from .cli import rank
+
+        seconds, steps, profiler = time.perf_counter() - self.start, self.count - PROFILE_AFTER - 1, self.profiler
+        profiler.__exit__(None, None, None)
+        self.profiler, self.steps = None, 0  # once per run
+        path = os.path.join(self.out_dir, f"profile-rank{rank()}.json")
+        profiler.export_chrome_trace(path)
+        compute, communication = _compute_and_communication(profiler.events())
+        shares = {"compute": compute / seconds, "communication": communication / seconds, "data": self.data / seconds}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / max(steps, 1):.1f} ms each: "
+              + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})",
+              flush=True)
+
+
+def _cuda_in_use():
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _compute_and_communication(events):
+    """(compute, communication) seconds of a trace: the union of the training loop's thread's operators (aten::, not
+    collectives), and the time a collective was in flight on any thread (gloo's run on threads of their own) while
+    that thread ran none of them."""
+    from collections import Counter
+
+    main = next((e.thread for e in events if e.name.startswith("Optimizer.step")),  # the training loop's thread
+                Counter(e.thread for e in events).most_common(1)[0][0] if events else None)
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    compute = _union([(e.time_range.start, e.time_range.end) for e in cpu
+                      if e.thread == main and e.name.startswith("aten::") and not COLLECTIVE.search(e.name)])
+    talk = _union([(e.time_range.start, e.time_range.end) for e in cpu if COLLECTIVE.search(e.name)])
+    waiting = sum(b - a for a, b in talk) - sum(max(0, min(b, d) - max(a, c)) for a, b in talk for c, d in compute)
+    return sum(b - a for a, b in compute) / 1e6, waiting / 1e6  # microseconds
+
+
+def _union(spans):
+    """Disjoint (start, end) spans covering the same time as `spans`."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged

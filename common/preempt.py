@@ -112,8 +112,9 @@ class Batches:
     (ours: its augmentation) is told the epoch. Rank 0 shows a progress bar on a terminal. After the loop: `start` (its
     perf_counter), `steps` done of `of_steps`, and `part`, the row the stopped run saved for this epoch (or None)."""
 
-    def __init__(self, loader, grad_accum, memory_format, stop, part_done=None):
+    def __init__(self, loader, grad_accum, memory_format, stop, part_done=None, profile=None):
         self.loader, self.grad_accum, self.memory_format, self.stop = loader, grad_accum, memory_format, stop
+        self.profile = profile  # metrics.Profile (--profile), or None
         self.part_done = part_done or {}  # {epoch: the row a stopped run saved} (checkpoint.part_done)
         self.passes = len(loader) // grad_accum * grad_accum
         self.of_steps = self.passes // grad_accum
@@ -142,14 +143,31 @@ class Batches:
         self.start, self.done = time.perf_counter(), self.first
         with tqdm(total=self.passes, initial=self.first, desc=f"epoch {self.number}", leave=False,
                   disable=rank() != 0 or not sys.stderr.isatty()) as bar:
-            for index, batch in enumerate(itertools.islice(self.loader, self.first, self.passes), self.first):
+            for index, batch in enumerate(self.timed(itertools.islice(self.loader, self.first, self.passes)),
+                                          self.first):
                 step = index // self.grad_accum
                 if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
                         and self.stop is not None and self.stop.requested():
                     return  # after the optimizer step of the group before: saved as part of this epoch
+                if index % self.grad_accum == 0 and self.profile:
+                    self.profile.step()
                 yield batch
                 self.done = index + 1
                 bar.update()
+        if self.profile:
+            self.profile.finish()  # a trace that the epoch's end cut short
+
+    def timed(self, batches):
+        """The batches, each wait for one told to the profile (--profile)."""
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            batch = next(iterator, None)
+            if batch is None:
+                return
+            if self.profile:
+                self.profile.waited(time.perf_counter() - start)
+            yield batch
 
 
 def part_done(state):

@@ -47,7 +47,9 @@ def tiny_data(tmp_path_factory):
 
 
 # Uninterrupted runs that several test files read, each started by its step's command in the README (with flags
-# appended), so that tests/test_readme.py holds the README's commands to them.
+# appended), so that tests/test_readme.py holds the README's commands to them. 04 and 08 also trace 3 optimizer steps
+# (tests/test_profile.py); that the trace leaves the training alone, 04's restart test holds (its bits, untraced).
+PROFILE = ["--profile", "3"]
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
     """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
@@ -84,7 +86,7 @@ def two_processes(tmp_path_factory, name, number, *args):
 @pytest.fixture(scope="session")
 def run04(tmp_path_factory, data):
     """Step 04 under torchrun, 2 processes x 32 images, fp32 (--amp off) to compare with step 01."""
-    return two_processes(tmp_path_factory, "run04", 4, *data, *EPOCHS, *DDP_ARGS)
+    return two_processes(tmp_path_factory, "run04", 4, *data, *EPOCHS, *DDP_ARGS, *PROFILE)
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +98,7 @@ def run06(tmp_path_factory, cifar_dir):
 @pytest.fixture(scope="session")
 def run08(tmp_path_factory, data):
     """Step 08 under torchrun, 2 processes x 32 images, fp32."""
-    return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS)
+    return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS, *PROFILE)
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +116,7 @@ def default_stop_signals():
 # a short process, and one launch of every step through its README command (tests/test_readme.py). Every other test
 # that trains through a launcher, or waits on one, is marked slow here: whole files, then single tests.
 SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp", "test_default_model",
-              "test_fault_tolerance", "test_learning_curves", "test_slurm", "test_steps_01_04"}
+              "test_fault_tolerance", "test_learning_curves", "test_profile", "test_slurm", "test_steps_01_04"}
 SLOW_TESTS = {
     "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
     "test_sigkill_during_saves_never_leaves_a_broken_checkpoint",
@@ -131,6 +133,7 @@ SLOW_TESTS = {
     "test_every_requested_run_ran_through_its_launcher_with_its_model",
     "test_json_has_every_figure_or_null",
     "test_markdown_table_has_one_row_per_run_naming_its_model",
+    "test_peak_memory_is_the_process_own_not_its_parents",  # a child of a 1.5 GB process: seconds
 }
 
 
@@ -141,7 +144,7 @@ SLOW_TESTS = {
 WEIGHT = {"test_default_model": 327, "test_05_deepspeed": 299, "test_steps_01_04": 266, "test_learning_curves": 233,
           "test_bad_input": 208, "test_preemption": 198, "test_fault_tolerance": 172, "test_readme": 144,
           "test_benchmark": 141, "test_07_apex": 119, "test_08_fsdp": 117, "test_slurm": 108, "test_06_horovod": 76,
-          "test_template": 75, "test_gpu_check": 63, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
+          "test_template": 75, "test_gpu_check": 63, "test_profile": 30, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
 
 
 def pytest_collection_modifyitems(items):
