@@ -163,17 +163,19 @@ PROFILE_AFTER = 3  # optimizer steps before the trace: DDP regroups its buckets 
 
 
 class Profile:
-    """--profile N: a torch.profiler trace of N optimizer steps (from step PROFILE_AFTER + 1 of the run, so within its
-    first epoch), written to out_dir/profile-rankR.json (open it in https://ui.perfetto.dev or chrome://tracing), and a
-    line per rank that says where the steps' time went (docs/debugging.md): compute (the operators of the training
-    loop's thread), communication (a collective in flight while that thread computes nothing: waiting for the other
-    ranks), data (waiting for the next batch) and other (Python, and whatever else held the rank up).
-    preempt.Batches calls step() as each optimizer step begins and times its waits for data: the loop does not change.
-    On a GPU the operators are launched asynchronously: there the shares are the host's; the trace's GPU rows show the
-    kernels and NCCL's."""
+    """--profile N: a torch.profiler trace of N optimizer steps (from step PROFILE_AFTER + 1 of the run), written to
+    out_dir/profile-rankR.json (open it in https://ui.perfetto.dev or chrome://tracing), and a line per rank that says
+    where the steps' time went (docs/debugging.md): compute (the operators of the training loop's thread),
+    communication (a collective in flight while that thread computes nothing: waiting for the other ranks), data
+    (waiting for the next batch: the DATA spans) and other (Python, and whatever else held the rank up).
+    preempt.Batches calls step() as each optimizer step begins, wraps each wait for a batch in data() and calls
+    finish() when the epoch ends or stops: the loop does not change. On a GPU the operators are launched
+    asynchronously: there the shares are the host's; the trace's GPU rows show the kernels and NCCL's."""
+
+    DATA = "Batches: waiting for data"
 
     def __init__(self, args):
-        self.steps, self.out_dir, self.count, self.profiler, self.data = args.profile, args.out_dir, 0, None, 0.0
+        self.steps, self.out_dir, self.count, self.profiler = args.profile, args.out_dir, 0, None
 
     def step(self):
         """An optimizer step begins."""
@@ -182,28 +184,32 @@ class Profile:
             import torch.profiler as tp
 
             activities = [tp.ProfilerActivity.CPU] + [tp.ProfilerActivity.CUDA] * _cuda_in_use()
-            self.profiler, self.data, self.start = tp.profile(activities=activities), 0.0, time.perf_counter()
+            self.profiler, self.start = tp.profile(activities=activities), time.perf_counter()
             self.profiler.__enter__()
         elif self.profiler and self.count == PROFILE_AFTER + 1 + self.steps:
-            self.finish()
+            self.finish(this_step_ran=False)
 
-    def waited(self, seconds):
-        """The training loop waited `seconds` for its next batch."""
-        self.data += seconds if self.profiler else 0.0
+    def data(self):
+        """A context around the loop's wait for its next batch: a DATA span in the trace."""
+        import contextlib
 
-    def finish(self):
-        """Stop the trace (after its N steps, or at the end of the epoch if that comes first), write it, say the shares."""
+        import torch.profiler as tp
+
+        return tp.record_function(self.DATA) if self.profiler else contextlib.nullcontext()
+
+    def finish(self, this_step_ran=True):
+        """Stop the trace (as step N + 1 begins, or when the epoch ends or stops first), write it, say the shares."""
         if not self.profiler:
             return
         from .cli import rank
 
-        seconds, steps, profiler = time.perf_counter() - self.start, self.count - PROFILE_AFTER - 1, self.profiler
+        seconds, profiler = time.perf_counter() - self.start, self.profiler
+        steps = self.count - PROFILE_AFTER - (0 if this_step_ran else 1)
         profiler.__exit__(None, None, None)
         self.profiler, self.steps = None, 0  # once per run
         path = os.path.join(self.out_dir, f"profile-rank{rank()}.json")
         profiler.export_chrome_trace(path)
-        compute, communication = _compute_and_communication(profiler.events())
-        shares = {"compute": compute / seconds, "communication": communication / seconds, "data": self.data / seconds}
+        shares = {name: part / seconds for name, part in _shares(profiler.events(), self.DATA).items()}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
         print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / max(steps, 1):.1f} ms each: "
               + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})",
@@ -216,24 +222,31 @@ def _cuda_in_use():
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _compute_and_communication(events):
-    """(compute, communication) seconds of a trace: the union of the training loop's thread's operators (aten::, not
-    collectives), and the time a collective was in flight on any thread (gloo's run on threads of their own) while
-    that thread ran none of them."""
+def _shares(events, data_name):
+    """{compute, communication, data}: seconds of a trace. data: the loop's DATA spans. compute: its thread's
+    operators (aten::, or a torch.compile'd region), outside them. communication: a collective in flight on any
+    thread (gloo's run on threads of their own) while that thread computes nothing and waits for no data."""
     from collections import Counter
 
     main = next((e.thread for e in events if e.name.startswith("Optimizer.step")),  # the training loop's thread
                 Counter(e.thread for e in events).most_common(1)[0][0] if events else None)
     cpu = [e for e in events if e.device_type.name == "CPU"]
-    compute = _union([(e.time_range.start, e.time_range.end) for e in cpu
-                      if e.thread == main and e.name.startswith("aten::") and not COLLECTIVE.search(e.name)])
-    talk = _union([(e.time_range.start, e.time_range.end) for e in cpu if COLLECTIVE.search(e.name)])
-    waiting = sum(b - a for a, b in talk) - sum(max(0, min(b, d) - max(a, c)) for a, b in talk for c, d in compute)
-    return sum(b - a for a, b in compute) / 1e6, waiting / 1e6  # microseconds
+
+    def spans(keep):
+        return _union([(e.time_range.start, e.time_range.end) for e in cpu if keep(e)])
+
+    data = spans(lambda e: e.thread == main and e.name == data_name)
+    compute = spans(lambda e: e.thread == main and e.name.startswith(("aten::", "Torch-Compiled Region"))
+                    and not COLLECTIVE.search(e.name))
+    talk = spans(lambda e: COLLECTIVE.search(e.name))
+    busy = _union(compute + data)
+    seconds = {"compute": _length(compute) - _overlap(compute, data),
+               "communication": _length(talk) - _overlap(talk, busy), "data": _length(data)}
+    return {name: value / 1e6 for name, value in seconds.items()}  # microseconds
 
 
 def _union(spans):
-    """Disjoint (start, end) spans covering the same time as `spans`."""
+    """Disjoint, sorted [start, end] spans covering the same time as `spans`."""
     merged = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
@@ -241,3 +254,20 @@ def _union(spans):
         else:
             merged.append([start, end])
     return merged
+
+
+def _length(spans):
+    return sum(end - start for start, end in spans)
+
+
+def _overlap(a, b):
+    """Time two lists of disjoint, sorted spans share (one pass over both)."""
+    i = j = 0
+    total = 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

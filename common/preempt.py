@@ -13,6 +13,7 @@ epoch after the steps already done (with other batch arithmetic: after the same 
 Processes started after Stop() (DataLoader workers above all) inherit the two signals blocked: Slurm signals every
 process of the job step, and a worker that died of it would take the training process down with it.
 """
+import contextlib
 import itertools
 import multiprocessing
 import signal
@@ -141,32 +142,32 @@ class Batches:
         if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
             self.loader.dataset.set_epoch(self.number)
         self.start, self.done = time.perf_counter(), self.first
-        with tqdm(total=self.passes, initial=self.first, desc=f"epoch {self.number}", leave=False,
-                  disable=rank() != 0 or not sys.stderr.isatty()) as bar:
-            for index, batch in enumerate(self.timed(itertools.islice(self.loader, self.first, self.passes)),
-                                          self.first):
-                step = index // self.grad_accum
-                if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
-                        and self.stop is not None and self.stop.requested():
-                    return  # after the optimizer step of the group before: saved as part of this epoch
-                if index % self.grad_accum == 0 and self.profile:
-                    self.profile.step()
-                yield batch
-                self.done = index + 1
-                bar.update()
-        if self.profile:
-            self.profile.finish()  # a trace that the epoch's end cut short
+        try:
+            with tqdm(total=self.passes, initial=self.first, desc=f"epoch {self.number}", leave=False,
+                      disable=rank() != 0 or not sys.stderr.isatty()) as bar:
+                for index, batch in enumerate(self.profiled(itertools.islice(self.loader, self.first, self.passes)),
+                                              self.first):
+                    step = index // self.grad_accum
+                    if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
+                            and self.stop is not None and self.stop.requested():
+                        return  # after the optimizer step of the group before: saved as part of this epoch
+                    if index % self.grad_accum == 0 and self.profile:
+                        self.profile.step()
+                    yield batch
+                    self.done = index + 1
+                    bar.update()
+        finally:
+            if self.profile:
+                self.profile.finish()  # a trace that the end of the epoch (or a stop) cut short
 
-    def timed(self, batches):
-        """The batches, each wait for one told to the profile (--profile)."""
+    def profiled(self, batches):
+        """The batches, each wait for one a span of the profile's trace (--profile)."""
         iterator = iter(batches)
         while True:
-            start = time.perf_counter()
-            batch = next(iterator, None)
+            with self.profile.data() if self.profile else contextlib.nullcontext():
+                batch = next(iterator, None)
             if batch is None:
                 return
-            if self.profile:
-                self.profile.waited(time.perf_counter() - start)
             yield batch
 
 
