@@ -177,6 +177,10 @@ class Profile:
     def __init__(self, args):
         self.steps, self.out_dir, self.count, self.profiler = args.profile, args.out_dir, 0, None
 
+    def __bool__(self):
+        """Something left to do: without --profile, or once its trace is written, Batches leaves it alone."""
+        return bool(self.steps or self.profiler)
+
     def step(self):
         """An optimizer step begins."""
         self.count += 1
