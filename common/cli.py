@@ -3,8 +3,10 @@ import argparse
 import contextlib
 import functools
 import os
+import re
 import sys
 import time
+import traceback
 
 
 class UserError(Exception):
@@ -17,6 +19,8 @@ PEER_FAILURES = []
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
              "NCCL communicator was aborted")
 CONNECT_FAILED = "connectFullMesh failed"  # gloo, while the group forms: a peer is gone or cannot be reached
+TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")  # gloo's collectives past --dist-timeout; NCCL's
+# watchdog ends the process itself (docs/debugging.md)
 
 
 def brief(text, width=200):
@@ -142,7 +146,7 @@ def shared_parser(description, step, archs):
 
 
 def exits_cleanly(main):
-    """Turn a UserError into one line on stderr and exit status 2, never a traceback.
+    """Turn a UserError, and a collective that timed out, into one line on stderr and exit status 2, never a traceback.
 
     Under a launcher every rank prints its own line, prefixed with its rank, so the launcher's
     log says which process gave up and why. Under torchrun the line also goes into the error file it
@@ -163,18 +167,28 @@ def exits_cleanly(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        def prefix():
+            return f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            prefix = f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-            leave(f"{prefix}error: {error}")
+            leave(f"{prefix()}error: {error}")
         except Exception as error:
+            if any(text in str(error) for text in TIMED_OUT):
+                cause = re.sub(r"^\[\S+:\d+\] ", "", str(error).splitlines()[0])  # gloo's: [source file:line] text
+                leave(f"{prefix()}error: a collective timed out ({brief(cause, 160)}): another rank "
+                      "is stuck or skipped it; docs/debugging.md finds which")
             if CONNECT_FAILED in str(error):
                 leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)}): "
                       "one stopped while the group formed, or the address is unreachable (see troubleshooting)",
                       consequence=True)
             if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
-                raise
+                # A bug: its traceback, and exit 1 as Python would. Not `raise`: an uncaught exception keeps its frames
+                # (sys.last_traceback), so the DataLoader's workers outlive the loop, and at exit multiprocessing
+                # waits for them forever (they block SIGTERM, common/preempt.py).
+                traceback.print_exc()
+                sys.exit(1)
             leave("stopping: another rank stopped, so the collectives shut down (its own error is above)",
                   consequence=True)
         except KeyboardInterrupt:

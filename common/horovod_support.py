@@ -53,7 +53,7 @@ def broadcast_run(hvd, epoch, global_step, part_done, scheduler, scaler):
 
 def agree(hvd):
     """preempt.Stop's agree(): a max over ranks by Horovod's allreduce, started without waiting."""
-    return lambda flag: functools.partial(hvd.synchronize, hvd.allreduce_async(flag, op=hvd.Max, name="stop"))
+    return lambda flag, name="stop": functools.partial(hvd.synchronize, hvd.allreduce_async(flag, op=hvd.Max, name=name))
 
 
 def check_gpu_build(hvd):

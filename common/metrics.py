@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -83,14 +84,15 @@ def start_line(step, args, device, precision, train_loader, synthetic, processes
 def train_row(totals, batches):
     """The training half of an epoch's row from totals = (loss sum, images) and that epoch's preempt.Batches (when it
     started, steps done of how many). Fewer steps than the epoch has: it stopped part-way ("partial"). The row a
-    stopped run saved for the start of this epoch is merged in, so that the epoch's loss covers all of it."""
+    stopped run saved for the start of this epoch is merged in, so that the epoch's loss covers all of it. Several
+    processes: "ranks" holds each rank's timing of this run's part of the epoch (preempt.Batches.timings)."""
     part = batches.part or {}
     loss_sum, seen = totals.tolist()
     loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
     seconds = time.perf_counter() - batches.start + part.get("epoch_seconds", 0.0)
     row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
            "peak_memory_mb": max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0)),
-           "steps": batches.steps, "images": int(seen)}
+           "steps": batches.steps, "images": int(seen), **({"ranks": batches.ranks} if batches.ranks else {})}
     return {**row, "partial": True, "of_steps": batches.of_steps} if batches.steps < batches.of_steps else row
 
 
@@ -101,7 +103,23 @@ def epoch_line(row, epochs):
                 f"train_loss so far {row['train_loss']:.4f}  (saved; no evaluation){tag}")
     return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "
             f"test_loss {row['test_loss']:.4f}  test_acc {100 * row['test_acc']:.2f}%  "
-            f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s{tag}")
+            f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s{tag}{slowest_rank(row.get('ranks'))}")
+
+
+SLOWER = 1.2  # a rank whose own time is more than 20% over the median rank's is named
+
+
+def slowest_rank(ranks):
+    """"  slowest rank R: ..." when a rank's own time (its train_s less its wait_s: the time it did not wait for a later
+    rank) is more than 20% over the median rank's (for an even count, the lower of the middle two), else ""."""
+    if not ranks:
+        return ""
+    own = [train - wait for train, wait in zip(ranks["train_s"], ranks["wait_s"])]
+    median, slow = statistics.median_low(own), max(range(len(own)), key=own.__getitem__)
+    if own[slow] <= SLOWER * median:
+        return ""
+    return (f"  slowest rank {slow}: {own[slow]:.1f} s of its own, the median rank {median:.1f} s "
+            f"({ranks['data_s'][slow]:.1f} s of it waiting for data)")
 
 
 def plot(out_dir, title):

@@ -25,7 +25,7 @@ from multiprocessing import resource_tracker
 import torch
 from tqdm import tqdm
 
-from .cli import UserError, rank
+from .cli import UserError, processes, rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_REQUEUE = 75  # EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume
@@ -41,7 +41,7 @@ def agree_by_torch_distributed():
         return None
     group = dist.new_group(backend="gloo")  # CPU flags, also when the training group is nccl
 
-    def agree(flag):
+    def agree(flag, name=None):
         work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=group, async_op=True)
         return lambda: (work.wait(), flag)[1]
 
@@ -49,8 +49,9 @@ def agree_by_torch_distributed():
 
 
 class Stop:
-    """Catches SIGTERM and SIGUSR1 from now on. `agree(flag)`: starts a max over ranks of a CPU int tensor and returns a
-    function that waits for it and returns the result (default: torch.distributed's, when a group is up)."""
+    """Catches SIGTERM and SIGUSR1 from now on. `agree(flag, name)`: starts a max over ranks of a CPU tensor (`name`:
+    Horovod's for it) and returns a function that waits for it and returns the result (default: torch.distributed's,
+    when a group is up)."""
 
     def __init__(self, agree=None, stop_after=None):
         self.signal = None  # the name of the first signal this process received
@@ -88,6 +89,11 @@ class Stop:
                 self.stopped, self._pending = bool(self._pending().item()), None
         return self.stopped
 
+    def max_over_ranks(self, tensor, name):
+        """The elementwise max over ranks of a CPU tensor, waited for (Batches' timings); None without a group of
+        several processes. Collective."""
+        return None if self._agree is None else self._agree(tensor, name)()
+
     def leave(self, epoch, start_epoch, epochs):
         """After epoch `epoch` (saved): True if the run leaves now, on a signal or after --stop-after epochs; rank 0
         says why. Collective, like requested()."""
@@ -111,7 +117,8 @@ class Batches:
     after the optimizer steps it did (with another number of steps per epoch, after the same fraction of it). The epoch
     ends early, after an optimizer step, once the ranks agreed to stop (Stop; None: never). A dataset with set_epoch()
     (ours: its augmentation) is told the epoch. Rank 0 shows a progress bar on a terminal. After the loop: `start` (its
-    perf_counter), `steps` done of `of_steps`, and `part`, the row the stopped run saved for this epoch (or None)."""
+    perf_counter), `steps` done of `of_steps`, `part`, the row the stopped run saved for this epoch (or None), and
+    `ranks`, every rank's timing of the epoch (timings(); None in a single process)."""
 
     def __init__(self, loader, grad_accum, memory_format, stop, part_done=None, profile=None):
         self.loader, self.grad_accum, self.memory_format, self.stop = loader, grad_accum, memory_format, stop
@@ -123,6 +130,7 @@ class Batches:
             raise UserError(f"{len(getattr(loader, 'dataset', loader))} training images are too few for an optimizer "
                             "step: lower --batch-size or --grad-accum")
         self.number, self.part, self.first, self.done, self.start = 0, None, 0, 0, 0.0
+        self.data_seconds, self.arrivals, self.ranks = 0.0, [], None
 
     def epoch(self, number):
         self.number, self.part = number, self.part_done.get(number)
@@ -142,17 +150,20 @@ class Batches:
         if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
             self.loader.dataset.set_epoch(self.number)
         self.start, self.done = time.perf_counter(), self.first
+        self.data_seconds, self.arrivals, self.ranks = 0.0, [], None
         try:
             with tqdm(total=self.passes, initial=self.first, desc=f"epoch {self.number}", leave=False,
                       disable=rank() != 0 or not sys.stderr.isatty()) as bar:
-                for index, batch in enumerate(self.profiled(itertools.islice(self.loader, self.first, self.passes)),
+                for index, batch in enumerate(self.timed(itertools.islice(self.loader, self.first, self.passes)),
                                               self.first):
                     step = index // self.grad_accum
                     if index % self.grad_accum == 0 and index > self.first and step % CHECK_EVERY == 0 \
                             and self.stop is not None and self.stop.requested():
-                        return  # after the optimizer step of the group before: saved as part of this epoch
+                        break  # after the optimizer step of the group before: saved as part of this epoch
                     if index % self.grad_accum == 0 and self.profile:
                         self.profile.step()
+                    if index % self.grad_accum == self.grad_accum - 1:  # the pass whose backward meets the others
+                        self.arrivals.append(time.time())  # one clock for every rank of a machine (see timings())
                     yield batch
                     self.done = index + 1
                     bar.update()
@@ -160,15 +171,45 @@ class Batches:
             if self.profile:
                 self.profile.finish()  # a trace that the end of the epoch (or a stop) cut short
 
-    def profiled(self, batches):
-        """The batches, each wait for one a span of the profile's trace (--profile)."""
+        self.ranks = self.timings()
+
+    def timed(self, batches):
+        """The batches; each wait for one is counted in data_seconds (and is a span of --profile's trace)."""
         iterator = iter(batches)
         while True:
+            waited = time.perf_counter()
             with self.profile.data() if self.profile else contextlib.nullcontext():
                 batch = next(iterator, None)
+            self.data_seconds += time.perf_counter() - waited
             if batch is None:
                 return
             yield batch
+
+    def timings(self):
+        """Every rank's seconds in this epoch's loop ("train_s"), waiting for its batches ("data_s") and waiting for
+        a later rank ("wait_s"): {name: [one per rank]}, by one max over ranks at the end of the epoch (collective:
+        every rank ends it after the same step); None in a single process. Each step's collectives hold every rank
+        until the last one arrives, so every rank's train_s is about the same; what tells ranks apart is when each
+        arrives: each notes the time it has a step's batch in hand (its last pass's), and a rank's wait_s is the sum
+        over steps of how much later the last rank got there. That assumes equal compute: a rank slower inside its
+        forward and backward does not show here (--profile shows it). On several machines it also assumes their
+        clocks agree (NTP: to a few ms)."""
+        world = processes()
+        if world == 1 or self.stop is None:
+            return None
+        steps, me = len(self.arrivals), len(self.arrivals) + 3 * rank()
+        row = torch.zeros(steps + 3 * world, dtype=torch.float64)  # each rank fills its own slots: max = gather
+        row[:steps] = torch.tensor(self.arrivals, dtype=torch.float64)
+        row[me:me + 3] = torch.tensor([time.perf_counter() - self.start, self.data_seconds, sum(self.arrivals)],
+                                     dtype=torch.float64)
+        row = self.stop.max_over_ranks(row, "timings")
+        if row is None:
+            return None
+        last = row[:steps].sum().item()
+        train, data, arrived = row[steps:].view(world, 3).T.tolist()
+        wait = [max(0.0, last - mine) for mine in arrived]
+        return {name: [round(seconds, 3) for seconds in values]
+                for name, values in (("train_s", train), ("data_s", data), ("wait_s", wait))}
 
 
 def part_done(state):

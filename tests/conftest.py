@@ -115,8 +115,9 @@ def default_stop_signals():
 # The quick tier, for the edit-test loop (`pytest -m "not slow"`, README): the tests that run in this process or start
 # a short process, and one launch of every step through its README command (tests/test_readme.py). Every other test
 # that trains through a launcher, or waits on one, is marked slow here: whole files, then single tests.
-SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp", "test_default_model",
-              "test_fault_tolerance", "test_learning_curves", "test_profile", "test_slurm", "test_steps_01_04"}
+SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp", "test_debugging",
+              "test_default_model", "test_fault_tolerance", "test_learning_curves", "test_profile", "test_slurm",
+              "test_steps_01_04"}
 SLOW_TESTS = {
     "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
     "test_sigkill_during_saves_never_leaves_a_broken_checkpoint",
@@ -144,7 +145,7 @@ SLOW_TESTS = {
 WEIGHT = {"test_default_model": 327, "test_05_deepspeed": 299, "test_steps_01_04": 266, "test_learning_curves": 233,
           "test_bad_input": 208, "test_preemption": 198, "test_fault_tolerance": 172, "test_readme": 144,
           "test_benchmark": 141, "test_07_apex": 119, "test_08_fsdp": 117, "test_slurm": 108, "test_06_horovod": 76,
-          "test_template": 75, "test_gpu_check": 63, "test_profile": 30, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
+          "test_template": 75, "test_debugging": 70, "test_gpu_check": 63, "test_profile": 30, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
 
 
 def pytest_collection_modifyitems(items):
