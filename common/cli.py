@@ -2,6 +2,7 @@
 import argparse
 import contextlib
 import functools
+import gc
 import os
 import re
 import sys
@@ -163,37 +164,39 @@ def exits_cleanly(main):
             # second early, a rank that only stopped because another failed a second late: the cause wins the tie.
             with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time()) + (1 if consequence else -1)}, f)
-        sys.exit(2)
+        return 2
+
+    def prefix():
+        return f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        def prefix():
-            return f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            leave(f"{prefix()}error: {error}")
+            status = leave(f"{prefix()}error: {error}")
         except Exception as error:
             if any(text in str(error) for text in TIMED_OUT):
                 cause = re.sub(r"^\[\S+:\d+\] ", "", str(error).splitlines()[0])  # gloo's: [source file:line] text
-                leave(f"{prefix()}error: a collective timed out ({brief(cause, 160)}): another rank "
-                      "is stuck or skipped it; docs/debugging.md finds which")
-            if CONNECT_FAILED in str(error):
-                leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)}): "
-                      "one stopped while the group formed, or the address is unreachable (see troubleshooting)",
-                      consequence=True)
-            if not isinstance(error, tuple(PEER_FAILURES)) and not any(text in str(error) for text in PEER_LOST):
-                # A bug: its traceback, and exit 1 as Python would. Not `raise`: an uncaught exception keeps its frames
-                # (sys.last_traceback), so the DataLoader's workers outlive the loop, and at exit multiprocessing
-                # waits for them forever (they block SIGTERM, common/preempt.py).
+                status = leave(f"{prefix()}error: a collective timed out ({brief(cause, 160)}): another rank is stuck "
+                               "or skipped it; docs/debugging.md finds which")
+            elif CONNECT_FAILED in str(error):
+                status = leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)})"
+                               ": one stopped while the group formed, or the address is unreachable (see "
+                               "troubleshooting)", consequence=True)
+            elif isinstance(error, tuple(PEER_FAILURES)) or any(text in str(error) for text in PEER_LOST):
+                status = leave("stopping: another rank stopped, so the collectives shut down (its own error is above)",
+                               consequence=True)
+            else:  # a bug: its traceback, and exit 1 as Python would
                 traceback.print_exc()
-                sys.exit(1)
-            leave("stopping: another rank stopped, so the collectives shut down (its own error is above)",
-                  consequence=True)
+                status = 1
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
+            status = 130
+        # Exit only here, once the exception and the frames it holds are gone: they hold the DataLoader's workers, which
+        # block SIGTERM (common/preempt.py), and at exit multiprocessing would wait for them forever.
+        gc.collect()
+        sys.exit(status)
 
     return wrapper
 

@@ -30,6 +30,7 @@ from .cli import UserError, processes, rank
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_REQUEUE = 75  # EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume
 CHECK_EVERY = 8  # optimizer steps between two looks at the stop flag: a signal ends the epoch within 2 x this
+ARRIVALS_FROM = 1.7e9  # Batches' arrival times count from here (2023-11), not 1970: sums of them keep their precision
 
 
 def agree_by_torch_distributed():
@@ -163,7 +164,7 @@ class Batches:
                     if index % self.grad_accum == 0 and self.profile:
                         self.profile.step()
                     if index % self.grad_accum == self.grad_accum - 1:  # the pass whose backward meets the others
-                        self.arrivals.append(time.time())  # one clock for every rank of a machine (see timings())
+                        self.arrivals.append(time.time() - ARRIVALS_FROM)  # one clock for every rank (timings())
                     yield batch
                     self.done = index + 1
                     bar.update()

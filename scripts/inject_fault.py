@@ -4,7 +4,8 @@
 
 FAULT, on rank 1 unless said otherwise (rank N: FAULT_RANK=N):
   slow-rank         sleeps SLOW seconds (default 0.25) before each of its optimizer steps
-  slow-data         every rank's data set takes SLOW seconds (default 0.01) per image (in the DataLoader workers)
+  slow-data         every rank's data set takes SLOW seconds (default 0.01) per image (also in DataLoader workers
+                    started by fork, Linux's default; not in spawned ones)
   stuck-rank        stops for good before its 5th optimizer step
   extra-collective  makes an all-reduce of its own before its 5th optimizer step, which no other rank makes
   exception         raises an exception (a bug) in its 2nd optimizer step
@@ -27,22 +28,24 @@ import torch
 import torch.distributed as dist
 
 FAULTS = ("slow-rank", "slow-data", "stuck-rank", "extra-collective", "exception", "barrier")
-FAULTY = os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")) == os.environ.get("FAULT_RANK", "1")
+RANK = os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0"))
+FAULTY = RANK == os.environ.get("FAULT_RANK", "1")
 
 
 def dump_flight_recorder():
-    """On SIGUSR2 (any time, even while the training loop's thread waits in a collective): the flight recorder's
+    """On each SIGUSR2 (any time, even while the training loop's thread waits in a collective): the flight recorder's
     entries to $FR_DIR/rankR, in the format torchfrtrace reads."""
-    signal.sigwait({signal.SIGUSR2})
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    groups = dist.distributed_c10d._world.pg_map
-    trace["pg_config"] = {group.group_name: {"name": group.group_name, "desc": group.group_desc,
-                                             "ranks": str(dist.get_process_group_ranks(group))} for group in groups}
-    path = os.path.join(os.environ.get("FR_DIR", "."), f"rank{dist.get_rank()}")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(trace, f)
-    os.replace(path + ".tmp", path)
-    print(f"rank {dist.get_rank()}: flight recorder written to {path}", flush=True)
+    while True:
+        signal.sigwait({signal.SIGUSR2})
+        trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        groups = dist.distributed_c10d._world.pg_map
+        trace["pg_config"] = {group.group_name: {"name": group.group_name, "desc": group.group_desc,
+                                                 "ranks": str(dist.get_process_group_ranks(group))} for group in groups}
+        path = os.path.join(os.environ.get("FR_DIR", "."), f"rank{dist.get_rank()}")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(trace, f)
+        os.replace(path + ".tmp", path)
+        print(f"rank {dist.get_rank()}: flight recorder written to {path}", flush=True)
 
 
 def patch_optimizer_step(fault):
@@ -53,7 +56,7 @@ def patch_optimizer_step(fault):
         if fault == "slow-rank" and FAULTY:
             time.sleep(float(os.environ.get("SLOW", "0.25")))
         if fault in ("stuck-rank", "barrier") and FAULTY and count[0] == 5:
-            print(f"rank {os.environ['RANK']}: stuck before optimizer step 5 (scripts/inject_fault.py)", flush=True)
+            print(f"rank {RANK}: stuck before optimizer step 5 (scripts/inject_fault.py)", flush=True)
             time.sleep(24 * 3600)
         if fault == "extra-collective" and FAULTY and count[0] == 5:
             dist.all_reduce(torch.zeros(1))

@@ -36,37 +36,37 @@ def test_every_epoch_row_holds_every_ranks_timing(fixture, request):
         ranks = row["ranks"]
         assert sorted(ranks) == ["data_s", "train_s", "wait_s"] and all(len(v) == 2 for v in ranks.values()), ranks
         for train, data, wait in zip(ranks["train_s"], ranks["data_s"], ranks["wait_s"]):
-            assert 0.5 * row["epoch_seconds"] < train <= row["epoch_seconds"] * 1.01, (row, ranks)
+            assert 0.5 * row["epoch_seconds"] < train <= row["epoch_seconds"] + 0.5, (row, ranks)
             assert 0 <= data < train and 0 <= wait < train, ranks
 
 
-def test_a_slow_rank_is_named_in_the_epoch_line_and_shows_in_the_profile(tmp_path, data):
+def test_a_slow_rank_is_named_in_the_epoch_line_and_shows_in_the_profile(tmp_path, small_data):
     """Rank 1 sleeps 0.25 s before each optimizer step. The epoch line names it (rank 0 waited for it, rank 1 for
     nobody); --profile shows its sleep as "other" and rank 0's wait as "communication". The trace asks for more steps
-    than the epoch has: the epoch's end cuts it (20 steps: the 17 after the first 3)."""
-    output = run(injected("slow-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--profile", "100",
-                          "--out-dir", tmp_path)).output
-    slow, other = shares(output, 1, 17), shares(output, 0, 17)
+    than the epoch has: the epoch's end cuts it (10 steps: the 7 after the first 3)."""
+    output = run(injected("slow-rank", 4, *small_data, *DDP_ARGS, "--batch-size", "16", "--epochs", "1",
+                          "--profile", "100", "--out-dir", tmp_path)).output
+    slow, other = shares(output, 1, 7), shares(output, 0, 7)
     assert slow["other"] >= 15 and other["other"] < slow["other"] / 2, (slow, other)
     assert other["communication"] >= 15 and other["communication"] > 1.5 * slow["communication"], (slow, other)
     assert re.search(r"^epoch   1/1 .* slowest rank 1: [\d.]+ s of its own, the median rank [\d.]+ s \(", output, re.M)
     (row,) = metrics(tmp_path)
-    assert row["ranks"]["wait_s"][0] > 0.8 * 20 * 0.25 and row["ranks"]["wait_s"][1] < 0.5, row["ranks"]
+    assert row["ranks"]["wait_s"][0] > 0.8 * 10 * 0.25 and row["ranks"]["wait_s"][1] < 0.5, row["ranks"]
 
 
-def test_a_starved_input_pipeline_shows_as_data_and_more_workers_feed_it(tmp_path, data):
+def test_a_starved_input_pipeline_shows_as_data_and_more_workers_feed_it(tmp_path, small_data):
     """Every rank's data set takes 10 ms per image, read in the training process (--workers 0): most of each step
-    waits for data, on both ranks, and nobody is named slowest. With 4 loader workers the wait mostly goes."""
+    waits for data, on both ranks, and nobody is named slowest. With 8 loader workers the wait mostly goes."""
     shown = {}
-    for workers in (0, 4):
-        output = run(injected("slow-data", 4, *data, *DDP_ARGS, "--epochs", "1", "--profile", "5", "--workers",
-                              str(workers), "--out-dir", tmp_path / str(workers))).output
+    for workers in (0, 8):
+        output = run(injected("slow-data", 4, *small_data, *DDP_ARGS, "--batch-size", "16", "--epochs", "1",
+                              "--profile", "5", "--workers", str(workers), "--out-dir", tmp_path / str(workers))).output
         shown[workers] = [shares(output, rank, 5)["data"] for rank in (0, 1)]
         (row,) = metrics(tmp_path / str(workers))
         shown[workers] += [data / train for data, train in zip(row["ranks"]["data_s"], row["ranks"]["train_s"])]
         assert "slowest rank" not in output
     assert min(shown[0][:2]) >= 30 and min(shown[0][2:]) >= 0.3, shown
-    assert max(shown[4][:2]) < min(shown[0][:2]) / 2 and max(shown[4][2:]) < min(shown[0][2:]) / 2, shown
+    assert max(shown[8][:2]) < min(shown[0][:2]) / 2 and max(shown[8][2:]) < min(shown[0][2:]) / 2, shown
 
 
 class Output:
@@ -94,19 +94,32 @@ def finish(output, stuck):
     return output.text + output.launcher.communicate(timeout=60)[0]
 
 
+def py_spy_dump(process, frame, timeout=30):
+    """`py-spy dump` of a process, repeated until its stack holds `frame`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        dump = run([BIN / "py-spy", "dump", "--pid", process.pid]).output
+        if frame in dump:
+            return dump
+        assert time.monotonic() < deadline, dump
+        time.sleep(0.5)
+
+
 def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data):
     """Rank 1 stops for good before its 5th optimizer step. py-spy shows where each rank is (rank 1 in the fault,
     rank 0 in DDP's broadcast before the forward); the flight recorder, dumped on SIGUSR2, read by torchfrtrace, names
     the collective rank 1 never joined; after --dist-timeout rank 0 stops with one line."""
-    launcher = start(injected("stuck-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--dist-timeout", "30",
+    launcher = start(injected("stuck-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--dist-timeout", "20",
                               "--out-dir", tmp_path / "out"), TORCH_FR_BUFFER_SIZE="2000", FR_DIR=tmp_path)
     try:
         output = Output(launcher)
         output.until(r"^rank 1: stuck")
         ranks = [rank_process(launcher, rank) for rank in (0, 1)]
-        dumps = [run([BIN / "py-spy", "dump", "--pid", rank.pid]).output for rank in ranks]
-        assert "DistributedDataParallel._sync_buffers" in dumps[0] and "faulty_step" not in dumps[0], dumps[0]
-        assert "faulty_step (inject_fault.py" in dumps[1], dumps[1]
+        dumps = [py_spy_dump(ranks[0], "DistributedDataParallel._sync_buffers"),  # rank 0 may still be on its way there
+                 py_spy_dump(ranks[1], "faulty_step (inject_fault.py")]
+        assert "faulty_step" not in dumps[0], dumps[0]
         for rank in ranks:
             rank.send_signal(signal.SIGUSR2)
         output.until(r"^rank 0: flight recorder written[\s\S]*^rank 1: flight|^rank 1: flight recorder written[\s\S]*^rank 0: flight")
@@ -118,7 +131,7 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
         output = finish(output, ranks[1])
     finally:
         launcher.kill()
-    assert re.search(r"^\[rank 0\] error: a collective timed out \(Timed out waiting 30000ms for \w+ operation to "
+    assert re.search(r"^\[rank 0\] error: a collective timed out \(Timed out waiting 20000ms for \w+ operation to "
                      r"complete\): another rank is stuck or skipped it; docs/debugging.md finds which$", output, re.M)
     assert "Traceback" not in output.split("rank 1: stuck")[1].split("error: a collective timed out")[0]
 

@@ -122,7 +122,7 @@ def looks_at_the_flag(steps, grad_accum=1, signal_at=None, part=None):
 
     started = []
 
-    def agree(flag):
+    def agree(flag, name="stop"):
         started.append(int(flag.item()))
         return lambda: flag
 
@@ -148,6 +148,50 @@ def test_the_stop_flag_costs_no_collective_per_step():
     assert started == [1], started  # one look started the agreement that saw it, the next one read it
     assert batches.steps == 2 * CHECK_EVERY and len(passes) == 2 * 2 * CHECK_EVERY
     assert batches.stop.requested() and batches.stop.exit_status() == 75
+
+
+def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch):
+    """Batches.timings() as rank 0 of 2, with a stand-in for the max over ranks that adds rank 1's row: rank 1 has each
+    of the 4 steps' batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop. Rank 0 then waited
+    2 s for it, rank 1 for nobody; each rank's slots hold its own figures."""
+    import torch
+
+    from common.preempt import Batches, Stop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    names = []
+
+    def agree(row, name="stop"):
+        names.append(name)
+        other, steps = torch.zeros_like(row), len(row) - 6
+        other[:steps] = row[:steps] + 0.5
+        other[steps + 3:] = torch.tensor([10.0, 1.5, row[:steps].sum().item() + 0.5 * steps], dtype=torch.float64)
+        return lambda: torch.maximum(row, other)
+
+    batches = Batches(list(range(4)), 1, None, Stop(agree=agree)).epoch(1)
+    assert list(batches) == [0, 1, 2, 3] and names == ["timings"]
+    ranks = batches.ranks
+    assert ranks["train_s"][1] == 10.0 and ranks["data_s"][1] == 1.5 and 0 <= ranks["data_s"][0] <= ranks["train_s"][0]
+    assert ranks["wait_s"] == [2.0, 0.0], ranks
+
+
+@pytest.mark.parametrize("train,wait,named", [
+    ([10, 10, 10], [0, 0, 3], None),  # one rank waited: the others are not slow, it is fast
+    ([10, 10, 10, 10], [4, 4, 4, 0], 3),  # own time 10 s against the median 6 s
+    ([10, 10], [2, 0], 1),  # 10 s against 8 s (of two, the lower): 25% over
+    ([10, 10], [1.5, 0], None),  # 10 s against 8.5 s: 18% over
+    ([10, 10], [0, 1.8], 0),  # 10 s against 8.2 s: 22% over
+])
+def test_the_epoch_line_names_a_rank_over_the_median_by_more_than_20_percent(train, wait, named):
+    from common.metrics import slowest_rank
+
+    line = slowest_rank({"train_s": train, "data_s": [0.5] * len(train), "wait_s": wait})
+    if named is None:
+        assert line == "", line
+    else:
+        assert line.startswith(f"  slowest rank {named}: 10.0 s of its own, the median rank "), line
+        assert line.endswith("(0.5 s of it waiting for data)"), line
 
 
 def test_a_part_way_epoch_continues_after_the_same_fraction():
