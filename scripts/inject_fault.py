@@ -41,6 +41,7 @@ def dump_flight_recorder():
         groups = dist.distributed_c10d._world.pg_map
         trace["pg_config"] = {group.group_name: {"name": group.group_name, "desc": group.group_desc,
                                                  "ranks": str(dist.get_process_group_ranks(group))} for group in groups}
+        os.makedirs(os.environ.get("FR_DIR", "."), exist_ok=True)
         path = os.path.join(os.environ.get("FR_DIR", "."), f"rank{dist.get_rank()}")
         with open(path + ".tmp", "wb") as f:
             pickle.dump(trace, f)

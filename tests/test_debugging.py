@@ -112,7 +112,7 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
     rank 0 in DDP's broadcast before the forward); the flight recorder, dumped on SIGUSR2, read by torchfrtrace, names
     the collective rank 1 never joined; after --dist-timeout rank 0 stops with one line."""
     launcher = start(injected("stuck-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--dist-timeout", "20",
-                              "--out-dir", tmp_path / "out"), TORCH_FR_BUFFER_SIZE="2000", FR_DIR=tmp_path)
+                              "--out-dir", tmp_path / "out"), TORCH_FR_BUFFER_SIZE="2000", FR_DIR=tmp_path / "fr")
     try:
         output = Output(launcher)
         output.until(r"^rank 1: stuck")
@@ -123,7 +123,7 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
         for rank in ranks:
             rank.send_signal(signal.SIGUSR2)
         output.until(r"^rank 0: flight recorder written[\s\S]*^rank 1: flight|^rank 1: flight recorder written[\s\S]*^rank 0: flight")
-        analysis = run([BIN / "torchfrtrace", tmp_path, "-p", "rank"]).output
+        analysis = run([BIN / "torchfrtrace", tmp_path / "fr", "-p", "rank"]).output
         assert re.search(r"Not all ranks joining collective, sequence number: \d+", analysis), analysis
         assert "collective: gloo:broadcast" in analysis and "missing ranks: {1}" in analysis, analysis
         assert "_sync_buffers" in analysis, "the stack of the collective that hangs"
