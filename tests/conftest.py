@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, once, readme_command, run,
-                     shell)
+from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, metrics, once, readme_command,
+                     run, shell)
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +99,29 @@ def run06(tmp_path_factory, cifar_dir):
 def run08(tmp_path_factory, data):
     """Step 08 under torchrun, 2 processes x 32 images, fp32."""
     return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS, *PROFILE)
+
+
+# The learning-curve runs (tests/test_learning_curves.py): every step's README command with one recipe, on data that
+# needs learning. Their 05 and 07 runs are also those steps' README runs (tests/test_readme.py).
+@pytest.fixture(scope="session")
+def textures(tmp_path_factory):
+    def make(folder):
+        run([PYTHON, "-m", "common.synthetic", "--data-dir", folder, "--train-size", "3000", "--test-size", "500"])
+        return folder
+    return once(tmp_path_factory, "textures", make)
+
+
+@pytest.fixture(scope="session")
+def curves(textures, tmp_path_factory):
+    """curves(step) -> (its out-dir, its test accuracy (%) per epoch): the step's README command with the recipe,
+    made when a test first asks for it."""
+    def make(step, out):
+        shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE, *CURVE_STEPS[step], "--out-dir", out,
+              DS_ACCELERATOR="cpu")
+        accuracy = [round(100 * row["test_acc"], 1) for row in metrics(out)]
+        print(f"step {step:02d}: test accuracy per epoch {accuracy}")  # the docs' table: pytest -s -n 0 tests/test_learning_curves.py
+        return out, accuracy
+    return lambda step: once(tmp_path_factory, f"curve{step:02d}", lambda out: make(step, out))
 
 
 @pytest.fixture(autouse=True)

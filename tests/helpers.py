@@ -30,6 +30,18 @@ EPOCHS = ["--epochs", "2"]
 DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
 HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]  # 2 x 16 x 2 = 64 per step
 README = (REPO / "README.md").read_text()
+# The learning-curve recipe (tests/test_learning_curves.py): the small cnn, global batch 64, peak lr 0.1, fp32, 2 epochs.
+CURVE_RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
+CURVE_STEPS = {  # step: its arguments besides the recipe; the README command gives its processes (2 for 04-08 here)
+    1: ["--batch-size", "64", "--amp", "off"],
+    2: ["--batch-size", "64", "--amp", "off"],
+    3: ["--batch-size", "64", "--amp", "off"],
+    4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # NCHW, as 05's weights (the file says why)
+    5: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # the README's command: ds_config.json
+    6: ["--batch-size", "32", "--amp", "off"],
+    7: ["--batch-size", "32", "--amp", "off"],
+    8: ["--batch-size", "32", "--amp", "off"],
+}
 
 
 def once(tmp_path_factory, name, make):

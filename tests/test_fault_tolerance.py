@@ -27,10 +27,10 @@ DEAD_RANK = [
 @pytest.mark.parametrize("launcher,number,verdict", [
     pytest.param(*case, id=case[0]) if list(REPO.glob(f"{case[1]:02d}_*.py"))
     else pytest.param(*case, id=case[0], marks=pytest.mark.skip(reason="script not written yet")) for case in DEAD_RANK])
-def test_a_dead_rank_ends_the_job_quickly(tmp_path, data, launcher, number, verdict):
+def test_a_dead_rank_ends_the_job_quickly(tmp_path, small_data, launcher, number, verdict):
     """The launcher notices the killed worker, stops the others and exits non-zero naming the rank:
     nothing waits forever on a collective."""
-    job = start([*launch_command(launcher, 2, number), *data, "--epochs", "50", "--out-dir", tmp_path])
+    job = start([*launch_command(launcher, 2, number), *small_data, "--epochs", "50", "--out-dir", tmp_path])
     status, output, seconds = kill_rank_after_epoch_1(job, tmp_path, rank=1)
     assert status != 0
     assert re.search(verdict, output), output[-3000:]

@@ -3,8 +3,9 @@ set-up + main job line, and each step's launch command from the table of steps.
 
 Flags appended to a command (argparse: the last one wins) only point it at small generated data and a --out-dir and
 make it short (the small CNN, fp32); the table's 4 processes become 2 (2 cores here). The launchers are the README's
-bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Most steps' commands start the
-uninterrupted runs that other test files read (conftest.py: run01 to run08, 2 epochs): a launch each, not two.
+bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Every step's command starts runs
+that other test files read (conftest.py: run01 to run08, and the learning-curve runs of 05 and 07, 2 epochs each): a
+launch each, not two.
 """
 import re
 
@@ -14,6 +15,7 @@ from helpers import README, REPO, digests, metrics, readme_command, shell
 
 SHORT = ["--epochs", "1", "--arch", "cnn", "--workers", "0", "--amp", "off"]
 SHARED = {1: "run01", 2: "run02", 3: "run03", 4: "run04", 6: "run06", 8: "run08"}  # conftest.py's fixtures
+CURVES = {5, 7}  # conftest.py's `curves`: the README command with the learning-curve recipe
 
 
 def quick_start():
@@ -45,10 +47,13 @@ def test_the_table_lists_every_step():
 def test_each_step_runs_with_its_readme_command(number, tmp_path, cifar_dir, request):
     if number in SHARED:  # the fixture ran readme_command(number) with its own flags, 2 epochs
         found = request.getfixturevalue(SHARED[number])
-        out, epochs = (found[0] if isinstance(found, tuple) else found), 2
-    else:
-        out, epochs = tmp_path, 1
+        out = found[0] if isinstance(found, tuple) else found
+    elif number in CURVES:
+        out = request.getfixturevalue("curves")(number)[0]
+    else:  # a step that no other test runs by its README command
+        out = tmp_path
         shell(readme_command(number), "--data-dir", cifar_dir, *SHORT, "--out-dir", out, timeout=300)
+    epochs = 1 if out == tmp_path else 2
     ranks = 1 if readme_command(number).startswith("python ") else 2
     assert [row["epoch"] for row in metrics(out)] == list(range(1, epochs + 1)), metrics(out)
     assert sorted(digests(out)) == list(range(ranks)) and len(set(digests(out).values())) == 1, digests(out)
