@@ -165,10 +165,11 @@ SLOW_TESTS = {
 # summed per file). pytest.ini's `--dist loadfile` gives each worker whole files, the next one in this order as soon as
 # it is near the end of its queue: heaviest first, so that the run does not end with one worker running a slow file
 # alone while the other idles.
-WEIGHT = {"test_default_model": 327, "test_05_deepspeed": 299, "test_steps_01_04": 266, "test_learning_curves": 233,
-          "test_bad_input": 208, "test_preemption": 198, "test_fault_tolerance": 172, "test_readme": 144,
-          "test_benchmark": 141, "test_07_apex": 119, "test_08_fsdp": 117, "test_slurm": 108, "test_06_horovod": 76,
-          "test_template": 75, "test_debugging": 70, "test_gpu_check": 63, "test_profile": 30, "test_data": 21, "test_checkpoint": 19, "test_gpu_paths": 11}
+WEIGHT = {"test_default_model": 266, "test_bad_input": 211, "test_learning_curves": 205, "test_05_deepspeed": 200,
+          "test_steps_01_04": 189, "test_preemption": 182, "test_slurm": 144, "test_fault_tolerance": 134,
+          "test_debugging": 108, "test_benchmark": 99, "test_07_apex": 72, "test_readme": 65, "test_08_fsdp": 61,
+          "test_gpu_check": 55, "test_template": 52, "test_06_horovod": 40, "test_checkpoint": 20, "test_data": 14,
+          "test_gpu_paths": 8}
 
 
 def pytest_collection_modifyitems(items):
