@@ -102,7 +102,7 @@ def run08(tmp_path_factory, data):
 
 
 # The learning-curve runs (tests/test_learning_curves.py): every step's README command with one recipe, on data that
-# needs learning. Their 05 and 07 runs are also those steps' README runs (tests/test_readme.py).
+# needs learning. Its 07 run is also that step's README run (tests/test_readme.py).
 @pytest.fixture(scope="session")
 def textures(tmp_path_factory):
     def make(folder):
