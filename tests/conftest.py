@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE, metrics, once, readme_command,
-                     run, shell)
+from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE,
+                     metrics, once, readme_command, run, shell)
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +102,7 @@ def run08(tmp_path_factory, data):
 
 
 # The learning-curve runs (tests/test_learning_curves.py): every step's README command with one recipe, on data that
-# needs learning. Its 07 run is also that step's README run (tests/test_readme.py).
+# needs learning. The 07 run is also that step's README run (tests/test_readme.py).
 @pytest.fixture(scope="session")
 def textures(tmp_path_factory):
     def make(folder):
@@ -119,7 +119,8 @@ def curves(textures, tmp_path_factory):
         shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE, *CURVE_STEPS[step], "--out-dir", out,
               DS_ACCELERATOR="cpu")
         accuracy = [round(100 * row["test_acc"], 1) for row in metrics(out)]
-        print(f"step {step:02d}: test accuracy per epoch {accuracy}")  # the docs' table: pytest -s -n 0 tests/test_learning_curves.py
+        # the docs' table: pytest -s -n 0 tests/test_learning_curves.py
+        print(f"step {step:02d}: test accuracy per epoch {accuracy}")
         return out, accuracy
     return lambda step: once(tmp_path_factory, f"curve{step:02d}", lambda out: make(step, out))
 

@@ -30,7 +30,7 @@ EPOCHS = ["--epochs", "2"]
 DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
 HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]  # 2 x 16 x 2 = 64 per step
 README = (REPO / "README.md").read_text()
-# The learning-curve recipe (tests/test_learning_curves.py): the small cnn, global batch 64, peak lr 0.1, fp32, 2 epochs.
+# The learning-curve recipe (tests/test_learning_curves.py): the small cnn, global batch 64, lr 0.1, fp32, 2 epochs.
 CURVE_RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
 CURVE_STEPS = {  # step: its arguments besides the recipe; the README command gives its processes (2 for 04-08 here)
     1: ["--batch-size", "64", "--amp", "off"],
@@ -98,10 +98,13 @@ def readme_command(number):
 
 def shell(command, *appended, **kw):
     """Run a command as the README types it, through bash from the repository root, with flags appended (argparse: the
-    last one wins). torchrun's default port 29500 comes from PET_MASTER_PORT here: a free one, so that two such runs
-    side by side (two pytest-xdist workers) do not meet. The README's deepspeed command keeps 29500: one at a time."""
+    last one wins). The launchers' default port 29500 becomes a free one, so that two such runs side by side (two
+    pytest-xdist workers) do not meet: torchrun's through PET_MASTER_PORT, deepspeed's (which reads no variable for it)
+    as --master_port after the launcher's name."""
+    port = free_port()
+    command = re.sub(r"^deepspeed ", f"deepspeed --master_port={port} ", command)
     return run(["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])],
-               **{"PET_MASTER_PORT": free_port(), **kw})
+               **{"PET_MASTER_PORT": port, **kw})
 
 
 def launch_command(launcher, nproc, number):
