@@ -36,7 +36,7 @@ CURVE_STEPS = {  # step: its arguments besides the recipe; the README command gi
     1: ["--batch-size", "64", "--amp", "off"],
     2: ["--batch-size", "64", "--amp", "off"],
     3: ["--batch-size", "64", "--amp", "off"],
-    4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # NCHW, as 05's weights (the file says why)
+    4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # NCHW, as 05's (test_learning_curves.py says why)
     5: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # the README's command: ds_config.json
     6: ["--batch-size", "32", "--amp", "off"],
     7: ["--batch-size", "32", "--amp", "off"],
@@ -102,7 +102,7 @@ def shell(command, *appended, **kw):
     pytest-xdist workers) do not meet: torchrun's through PET_MASTER_PORT, deepspeed's (which reads no variable for it)
     as --master_port after the launcher's name."""
     port = free_port()
-    command = re.sub(r"^deepspeed ", f"deepspeed --master_port={port} ", command)
+    command = re.sub(r"^((\S*/)?deepspeed) ", rf"\1 --master_port={port} ", command)
     return run(["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])],
                **{"PET_MASTER_PORT": port, **kw})
 

@@ -2,7 +2,8 @@
 
 The small cnn normalises with GroupNorm, which hides what batch norm brings: running statistics that are buffers
 (not parameters, so no gradient all-reduce keeps them equal), statistics per process, and their precision. So the
-steps run ResNet-18 here, on a small fixed set (32 training images, 2 optimizer steps per epoch, `--easy`), with a learning rate that suits it:
+steps run ResNet-18 here, on a small fixed set (32 training images, 2 optimizer steps per epoch, `--easy`), with a
+learning rate that suits it:
 
 * fp32, 2 epochs: one process x 16 images (01, 02, 03), two processes x 8 (04 to 08). Two processes sum each
   gradient in one addition (a + b is b + a), so every distributed step trains exactly as DDP does: 04's run is the
@@ -26,7 +27,8 @@ ONE, TWO = [*FP32, "--batch-size", "16"], [*FP32, "--batch-size", "8"]
 @pytest.fixture(scope="session")
 def resnet_data(tmp_path_factory):
     def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "32", "--test-size", "16"])
+        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "32",
+             "--test-size", "16"])
         return ["--data-dir", folder]
     return once(tmp_path_factory, "resnet", make)
 

@@ -2,10 +2,11 @@
 set-up + main job line, and each step's launch command from the table of steps.
 
 Flags appended to a command (argparse: the last one wins) only point it at small generated data and a --out-dir and
-make it short (the small CNN, fp32); the table's 4 processes become 2 (2 cores here). The launchers are the README's
-bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Most steps' commands start runs
-that other test files read (conftest.py: run01 to run08, and the learning-curve run of 07, 2 epochs each): a launch
-each, not two. 05's command gets a 1-epoch launch of its own, cheaper in the quick tier than its learning-curve run.
+make it short (the small CNN, fp32, 1 or 2 epochs); the table's 4 processes become 2 (2 cores here). The launchers are
+the README's bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Most steps' commands
+start runs that other test files read (conftest.py: run01 to run08, and the learning-curve run of 07 on its 3000
+images, 2 epochs each): a launch each, not two. 05's command gets a 1-epoch launch of its own, cheaper in the quick
+tier than its learning-curve run.
 """
 import re
 
