@@ -254,8 +254,9 @@ def _shares(events, data_name):
                 Counter(e.thread for e in events).most_common(1)[0][0] if events else None)
     cpu = [e for e in events if e.device_type.name == "CPU"]
 
-    def spans(keep):
-        return _union([(e.time_range.start, e.time_range.end) for e in cpu if keep(e)])
+    def spans(keep):  # an event still in flight when the trace stopped (a collective on its own thread) has no end
+        return _union([(e.time_range.start, e.time_range.end) for e in cpu
+                       if keep(e) and e.time_range.end >= e.time_range.start])
 
     data = spans(lambda e: e.thread == main and e.name == data_name)
     compute = spans(lambda e: e.thread == main and e.name.startswith(("aten::", "Torch-Compiled Region"))
