@@ -5,18 +5,15 @@ import signal
 
 import pytest
 
-from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, PYTHON, SMOKE, TEST_SIZE, TRAIN_SIZE,
-                     metrics, once, readme_command, run, shell)
+from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, SMOKE, TEST_SIZE, TRAIN_SIZE, metrics,
+                     once, readme_command, shell, synthetic)
 
 
 @pytest.fixture(scope="session")
 def cifar_dir(tmp_path_factory):
-    """A synthetic CIFAR-10 in the real format, written by the documented command."""
-    def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", TRAIN_SIZE,
-             "--test-size", TEST_SIZE])
-        return folder
-    return once(tmp_path_factory, "synthetic", make)
+    """A synthetic CIFAR-10 in the real format, written by the documented command's code."""
+    return once(tmp_path_factory, "synthetic",
+                lambda folder: synthetic(folder, "--easy", "--train-size", TRAIN_SIZE, "--test-size", TEST_SIZE))
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +28,7 @@ def small_data(tmp_path_factory):
     """320 training and 61 test images: a quarter of `data`, for bf16 runs that must learn a little (the CPU emulates
     bf16, about 5 times slower than fp32 here): the small cnn at batch 8 falls below chance's loss in one epoch."""
     def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "320", "--test-size", "61"])
-        return ["--data-dir", folder, *SMOKE]
+        return ["--data-dir", synthetic(folder, "--easy", "--train-size", "320", "--test-size", "61"), *SMOKE]
     return once(tmp_path_factory, "small", make)
 
 
@@ -41,14 +37,14 @@ def tiny_data(tmp_path_factory):
     """8 training and 8 test images, for runs that need a few optimizer steps, not learning: bf16 ones above all,
     which this CPU emulates (ResNet-18: about 1 image/s)."""
     def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "8", "--test-size", "8"])
-        return ["--data-dir", folder]
+        return ["--data-dir", synthetic(folder, "--easy", "--train-size", "8", "--test-size", "8")]
     return once(tmp_path_factory, "tiny", make)
 
 
 # Uninterrupted runs that several test files read, each started by its step's command in the README (with flags
-# appended), so that tests/test_readme.py holds the README's commands to them. 04 and 08 also trace 3 optimizer steps
-# (tests/test_profile.py); that the trace leaves the training alone, 04's restart test holds (its bits, untraced).
+# appended), so that tests/test_readme.py holds the README's commands to them (02's and 03's: their learning-curve
+# runs below). 04 and 08 also trace 3 optimizer steps (tests/test_profile.py); that the trace leaves the training
+# alone, 04's restart test holds (its bits, untraced).
 PROFILE = ["--profile", "3"]
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
@@ -57,23 +53,6 @@ def run01(tmp_path_factory, data):
         shell(readme_command(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out)
         return out
     return once(tmp_path_factory, "run01", make)
-
-
-def fp32_run(tmp_path_factory, data, number):
-    """(out-dir, output) of step 02 or 03 for 2 epochs in fp32 (this CPU emulates bf16, several times slower)."""
-    def make(out):
-        return out, shell(readme_command(number), *data, *EPOCHS, "--amp", "off", "--out-dir", out).output
-    return once(tmp_path_factory, f"run{number:02d}", make)
-
-
-@pytest.fixture(scope="session")
-def run02(tmp_path_factory, data):
-    return fp32_run(tmp_path_factory, data, 2)
-
-
-@pytest.fixture(scope="session")
-def run03(tmp_path_factory, data):
-    return fp32_run(tmp_path_factory, data, 3)
 
 
 def two_processes(tmp_path_factory, name, number, *args):
@@ -102,26 +81,25 @@ def run08(tmp_path_factory, data):
 
 
 # The learning-curve runs (tests/test_learning_curves.py): every step's README command with one recipe, on data that
-# needs learning. The 07 run is also that step's README run (tests/test_readme.py).
+# needs learning. They are also what tests/test_steps_01_04.py reads of 02 and 03, and the README runs of 02, 03, 07
+# (and of 05 where the learning-curve test of 05 runs too: tests/test_readme.py).
 @pytest.fixture(scope="session")
 def textures(tmp_path_factory):
-    def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--data-dir", folder, "--train-size", "3000", "--test-size", "500"])
-        return folder
-    return once(tmp_path_factory, "textures", make)
+    return once(tmp_path_factory, "textures",
+                lambda folder: synthetic(folder, "--train-size", "3000", "--test-size", "500"))
 
 
 @pytest.fixture(scope="session")
 def curves(textures, tmp_path_factory):
-    """curves(step) -> (its out-dir, its test accuracy (%) per epoch): the step's README command with the recipe,
-    made when a test first asks for it."""
+    """curves(step) -> (its out-dir, its test accuracy (%) per epoch, its output): the step's README command with the
+    recipe, made when a test first asks for it."""
     def make(step, out):
-        shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE, *CURVE_STEPS[step], "--out-dir", out,
-              DS_ACCELERATOR="cpu")
+        proc = shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE, *CURVE_STEPS[step], "--out-dir", out,
+                     DS_ACCELERATOR="cpu")
         accuracy = [round(100 * row["test_acc"], 1) for row in metrics(out)]
         # the docs' table: pytest -s -n 0 tests/test_learning_curves.py
         print(f"step {step:02d}: test accuracy per epoch {accuracy}")
-        return out, accuracy
+        return out, accuracy, proc.output
     return lambda step: once(tmp_path_factory, f"curve{step:02d}", lambda out: make(step, out))
 
 
@@ -144,6 +122,7 @@ SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_f
               "test_steps_01_04"}
 SLOW_TESTS = {
     "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
+    "test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress",
     "test_sigkill_during_saves_never_leaves_a_broken_checkpoint",
     "test_two_machines_downloading_into_one_shared_folder_both_succeed",
     "test_the_quick_start_main_job_runs_as_written",

@@ -63,6 +63,16 @@ def once(tmp_path_factory, name, make):
     return pickle.loads(result.read_bytes())
 
 
+def synthetic(folder, *flags):
+    """Write a synthetic CIFAR-10 into `folder` with `python -m common.synthetic --data-dir FOLDER FLAGS`, run in this
+    process (its main(), which that command calls): the data is the same, without a torch import of its own. The
+    command itself runs in tests/test_readme.py's quick start."""
+    from common.synthetic import main
+
+    main(["--data-dir", str(folder), *map(str, flags)])
+    return folder
+
+
 def script(number):
     """Path of the numbered script, e.g. script(4) -> .../04_cifar10_ddp.py"""
     (path,) = REPO.glob(f"{number:02d}_cifar10_*.py")

@@ -17,7 +17,8 @@ every tensor of the state_dict, buffers included).
 """
 import pytest
 
-from helpers import (PYTHON, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script)
+from helpers import (PYTHON, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script,
+                     synthetic)
 
 RESNET = ["--arch", "resnet18", "--workers", "0", "--seed", "0", "--lr", "0.005"]
 FP32 = [*RESNET, "--amp", "off", "--epochs", "2"]
@@ -27,9 +28,7 @@ ONE, TWO = [*FP32, "--batch-size", "16"], [*FP32, "--batch-size", "8"]
 @pytest.fixture(scope="session")
 def resnet_data(tmp_path_factory):
     def make(folder):
-        run([PYTHON, "-m", "common.synthetic", "--easy", "--data-dir", folder, "--train-size", "32",
-             "--test-size", "16"])
-        return ["--data-dir", folder]
+        return ["--data-dir", synthetic(folder, "--easy", "--train-size", "32", "--test-size", "16")]
     return once(tmp_path_factory, "resnet", make)
 
 
@@ -68,7 +67,8 @@ def resnet04(resnet_data, tmp_path_factory):
 
 def test_01_learns_and_02_stopped_then_03_resumed_ends_exactly_there(resnet01, resnet_data, tmp_path):
     assert_learns_with_batch_norm(resnet01, ranks=1)
-    run([PYTHON, script(2), *resnet_data, *ONE, "--out-dir", tmp_path, "--stop-after", "1"])
+    stopped = run([PYTHON, script(2), *resnet_data, *ONE, "--out-dir", tmp_path, "--stop-after", "1"])
+    assert "stopping after 1 epoch" in stopped.output and [epoch for epoch, *_ in rows(tmp_path)] == [1]
     resumed = run([PYTHON, script(3), *resnet_data, *ONE, "--out-dir", tmp_path, "--resume", "auto"])
     assert "resumed from epoch 1 (written by 02_cifar10_gpu)" in resumed.output
     assert rows(tmp_path) == rows(resnet01) and digests(tmp_path) == digests(resnet01)

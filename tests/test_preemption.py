@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import digests, launch_command, load_checkpoint, metrics, once, run, start
+from helpers import (assert_01_continues_by_progress, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics,
+                     once, run, start)
 
 # (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
 # every rank, under its own launcher) and 06 (its own collectives, under horovodrun). 02, 03, 07 and 08 run 01's
@@ -113,6 +114,12 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)  # the epoch's loss sums both parts
     assert got["images"] == want["images"] == 1280
     assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), "a finished epoch supersedes the part-way one"
+
+
+def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data, tmp_path):
+    """The uninterrupted 04 run above (2 processes x 8 images, 80 steps per epoch), continued by 01 at batch 64 (20
+    steps per epoch) for a second epoch."""
+    assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), data, tmp_path)
 
 
 def looks_at_the_flag(steps, grad_accum=1, signal_at=None, part=None):

@@ -4,9 +4,10 @@ set-up + main job line, and each step's launch command from the table of steps.
 Flags appended to a command (argparse: the last one wins) only point it at small generated data and a --out-dir and
 make it short (the small CNN, fp32, 1 or 2 epochs); the table's 4 processes become 2 (2 cores here). The launchers are
 the README's bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Most steps' commands
-start runs that other test files read (conftest.py: run01 to run08, and the learning-curve run of 07 on its 3000
-images, 2 epochs each): a launch each, not two. 05's command gets a 1-epoch launch of its own, cheaper in the quick
-tier than its learning-curve run.
+start runs that other test files read (conftest.py: run01, run04, run06, run08, and the learning-curve runs of 02, 03
+and 07 on their 3000 images, 2 epochs each): a launch each, not two. 05's command reads its learning-curve run where
+this session runs that anyway (the whole suite); alone (the quick tier, or this file) it gets a 1-epoch launch of its
+own, cheaper than the learning-curve run.
 """
 import re
 
@@ -15,8 +16,13 @@ import pytest
 from helpers import README, REPO, digests, metrics, readme_command, shell
 
 SHORT = ["--epochs", "1", "--arch", "cnn", "--workers", "0", "--amp", "off"]
-SHARED = {1: "run01", 2: "run02", 3: "run03", 4: "run04", 6: "run06", 8: "run08"}  # conftest.py's fixtures
-CURVES = {7}  # conftest.py's `curves`: the README command with the learning-curve recipe
+SHARED = {1: "run01", 4: "run04", 6: "run06", 8: "run08"}  # conftest.py's fixtures
+CURVES = {2, 3, 7}  # conftest.py's `curves`: the README command with the learning-curve recipe
+
+
+def curve_made_anyway(number, session):
+    """Whether this session runs a test that makes the learning-curve run of step `number`."""
+    return any(item.path.stem == "test_learning_curves" and item.name.endswith(f"[{number}]") for item in session.items)
 
 
 def quick_start():
@@ -49,7 +55,7 @@ def test_each_step_runs_with_its_readme_command(number, tmp_path, cifar_dir, req
     if number in SHARED:  # the fixture ran readme_command(number) with its own flags, 2 epochs
         found = request.getfixturevalue(SHARED[number])
         out = found[0] if isinstance(found, tuple) else found
-    elif number in CURVES:
+    elif number in CURVES or curve_made_anyway(number, request.session):
         out = request.getfixturevalue("curves")(number)[0]
     else:
         out = tmp_path

@@ -1,7 +1,7 @@
 """Steps 01-04 run the way the README tells a reader to run them, and deliver what they promise.
 
-One uninterrupted run per step serves several checks (run01 to run04 are session fixtures in conftest.py, started by
-the README's commands and shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons
+One uninterrupted run per step serves several checks (run01, run04 and the learning-curve runs of 02 and 03 are
+session fixtures in conftest.py, started by the README's commands and shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons
 work because every run uses one thread per process and the data order and augmentation depend only on (seed, epoch,
 sample index).
 """
@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_01_continues_by_progress, assert_one_line_error, assert_trained,
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_one_line_error, assert_trained,
                      checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
@@ -18,8 +18,8 @@ def test_01_trains_above_chance(run01):
 
 
 def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
-    """run01 as --stop-after 1 leaves it (that a stopped launch repeats its epochs bit for bit: 03 below, and 02 with
-    ResNet-18 in tests/test_default_model.py), resumed in a launch that names only where and how."""
+    """run01 as --stop-after 1 leaves it (that a stopped launch repeats its epochs bit for bit: 02 with ResNet-18 in
+    tests/test_default_model.py), resumed in a launch that names only where and how."""
     as_after_epoch(run01, tmp_path, 1, rows=False)  # as a kill between the checkpoint's rename and its row leaves it
     # Only where and how: data, model, epochs, batch, precision and seed come from the checkpoint's run.
     second = run([PYTHON, script(1), "--out-dir", tmp_path, "--resume", "auto",
@@ -32,9 +32,6 @@ def test_01_resume_matches_uninterrupted_run(tmp_path, data, run01):
     assert_one_line_error(other, "--arch resnet18 contradicts", "which holds a cnn model")
 
 
-FP32 = ["--amp", "off"]  # the CPU emulates bf16 (several times slower here): 02/03's mechanics in fp32
-
-
 def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, small_data):
     proc = run([PYTHON, script(2), *small_data, "--epochs", "1", "--batch-size", "8", "--out-dir", tmp_path])
     assert "no CUDA GPU found" in proc.output and "amp bf16" in proc.output  # auto on the CPU: bf16 autocast
@@ -42,8 +39,9 @@ def test_02_defaults_to_bf16_autocast_on_the_cpu(tmp_path, small_data):
     assert row["train_loss"] < 2.2, row  # below chance's ln(10) = 2.30 after one warm-up epoch: it learns
 
 
-def test_02_and_03_run_on_cpu_and_agree(run02, run03):
-    (out2, output2), (out3, output3) = run02, run03
+def test_02_and_03_run_on_cpu_and_agree(curves):
+    """Their learning-curve runs (conftest.py: the README command, 2 epochs of the textures data, batch 64, fp32)."""
+    (out2, _, output2), (out3, _, output3) = curves(2), curves(3)
     assert "no CUDA GPU found" in output2 and "amp off" in output2
     assert "passthrough" in output3
     assert_trained(out2, epochs=2)
@@ -53,13 +51,8 @@ def test_02_and_03_run_on_cpu_and_agree(run02, run03):
     assert "scaler" in load_checkpoint(checkpoint_epoch(out2, 2))
 
 
-def test_03_stopped_then_02_resumed_ends_exactly_there(tmp_path, data, run02):
-    """Stopped after epoch 1 by 03, resumed by 02: the same bits as the uninterrupted 02 run (02 and 03 are
-    bit-identical on a CPU, checked above). The other way round, with ResNet-18: tests/test_default_model.py."""
-    first = run([PYTHON, script(3), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--stop-after", "1"])
-    assert "stopping after 1 epoch" in first.output and [r["epoch"] for r in metrics(tmp_path)] == [1]
-    run([PYTHON, script(2), *data, *EPOCHS, *FP32, "--out-dir", tmp_path, "--resume", "auto"])
-    assert digests(tmp_path) == digests(run02[0])
+# 02 stopped by --stop-after and resumed by 03 ends where an uninterrupted run of 01 does: with ResNet-18 and its
+# batch-norm statistics, tests/test_default_model.py.
 
 
 def test_04_torchrun_trains_identical_replicas(run04):
@@ -124,10 +117,3 @@ def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
         assert [r["epoch"] for r in rows] == [2]
         assert rows[0]["train_loss"] == pytest.approx(metrics(run01)[1]["train_loss"], rel=2e-3)
         assert rows[0]["test_acc"] > 0.5
-
-
-def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(tmp_path, data):
-    """2 processes x 8 images (80 steps per epoch), continued by 01 at batch 64 (20 steps per epoch)."""
-    torchrun(2, 4, *data, *EPOCHS, "--batch-size", "8", "--amp", "off", "--stop-after", "1", "--out-dir", tmp_path / "04")
-    assert_01_continues_by_progress(checkpoint_epoch(tmp_path / "04", 1), data, tmp_path / "01")
-
