@@ -2,7 +2,8 @@
 
 Argument errors are checked in-process for every script (argparse runs before anything else).
 Runtime errors run the scripts for real: steps 01-03 in-process through main() (the same code a
-command line reaches), the distributed steps through their launchers.
+command line reaches), the distributed steps' main() in one process per step (world size 1), and a
+failure under every launcher through the launcher.
 """
 import importlib.util
 import json
@@ -101,7 +102,8 @@ print(json.dumps(results))
 # What only one step refuses on a CPU, before it writes anything: the same one line, and no --out-dir made.
 REFUSED_ON_CPU = {
     "04": {"sync-bn-on-the-cpu": (["--sync-bn"], ["--sync-bn needs CUDA GPUs"])},
-    "05": {"fp16-on-the-cpu": (["--amp", "fp16"], ["--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off"])},
+    "05": {"fp16-on-the-cpu": (["--amp", "fp16"],
+                               ["--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off"])},
     "07": {"apex-not-installed": (["--amp-backend", "apex"], ["NVIDIA Apex is not installed", "25.05",
                                                               "from source on a CUDA machine", "NGC PyTorch container",
                                                               "--amp-backend torch"])},
@@ -123,6 +125,7 @@ def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir):
         assert code == 2 and "Traceback" not in err, (case, err)
         assert len(lines) == 1 and "error:" in lines[0] and all(c in lines[0] for c in complaints), (case, err)
     for case in refused:
+        assert results[case][1].strip().startswith("error:"), results[case]
         assert not (tmp_path / case).exists(), f"{case}: nothing is written before the check"
 
 

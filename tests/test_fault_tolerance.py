@@ -14,9 +14,10 @@ from helpers import (BIN, DDP_ARGS, EPOCHS, REPO, digests, kill_rank_after_epoch
 
 # deepspeed's launcher polls its ranks once a second and exits with the status of the first failed one it finds: the
 # killed rank's -9, or 2 where the other rank noticed first and stopped with our line. The command line it prints is
-# always that of its last rank, whichever failed (deepspeed/launcher/launch.py).
-DEEPSPEED_VERDICT = (r"sigkill_handler\] \[.*\] exits with return code = -9"
-                     r"|stopping: another rank stopped[\s\S]*sigkill_handler\] \[.*\] exits with return code = 2")
+# always that of its last rank, here rank 1, whichever failed (deepspeed/launcher/launch.py).
+DEEPSPEED_VERDICT = (r"sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return code = -9|"
+                     r"stopping: another rank stopped[\s\S]*sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return "
+                     r"code = 2")
 
 
 # launcher, step, what the launcher says about the dead rank (rank 1, killed by signal 9)
@@ -32,8 +33,8 @@ DEAD_RANK = [
     pytest.param(*case, id=case[0]) if list(REPO.glob(f"{case[1]:02d}_*.py"))
     else pytest.param(*case, id=case[0], marks=pytest.mark.skip(reason="script not written yet")) for case in DEAD_RANK])
 def test_a_dead_rank_ends_the_job_quickly(tmp_path, small_data, launcher, number, verdict):
-    """The launcher notices the killed worker, stops the others and exits non-zero naming the rank:
-    nothing waits forever on a collective."""
+    """The launcher notices the killed worker, stops the others and exits non-zero, naming the rank (deepspeed: the
+    status of the first failed rank it polls, see DEEPSPEED_VERDICT): nothing waits forever on a collective."""
     job = start([*launch_command(launcher, 2, number), *small_data, "--epochs", "50", "--out-dir", tmp_path])
     status, output, seconds = kill_rank_after_epoch_1(job, tmp_path, rank=1)
     assert status != 0

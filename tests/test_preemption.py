@@ -1,6 +1,6 @@
 """Preemption: SIGTERM (or SIGUSR1) to a whole job, as Slurm sends it, ends every step after the current optimizer
 step with a checkpoint and exit status 75; `--resume auto` then finishes with weights bit-identical to an
-uninterrupted run.
+uninterrupted run. (The uninterrupted 04 run also serves a checkpoint of other batch arithmetic that 01 continues.)
 
 The signal goes to every process of the job (the launcher, every rank and their DataLoader workers), which is what
 Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (assert_01_continues_by_progress, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics,
-                     once, run, start)
+from helpers import (assert_01_continues_by_progress, checkpoint_epoch, digests, launch_command, load_checkpoint,
+                     metrics, once, run, start)
 
 # (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
 # every rank, under its own launcher) and 06 (its own collectives, under horovodrun). 02, 03, 07 and 08 run 01's
@@ -117,8 +117,9 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
 
 
 def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data, tmp_path):
-    """The uninterrupted 04 run above (2 processes x 8 images, 80 steps per epoch), continued by 01 at batch 64 (20
-    steps per epoch) for a second epoch."""
+    """The uninterrupted 04 run above (2 processes x 8 images, 80 steps per epoch, 1 epoch), continued by 01 at batch
+    64 (20 steps per epoch) for a second epoch: the schedule is placed by progress (and stretched to 2 epochs); placed
+    at the raw step 80 of a 40-step schedule it would train at learning rate 0 and the weights would not move."""
     assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), data, tmp_path)
 
 

@@ -1,16 +1,16 @@
 """Steps 01-04 run the way the README tells a reader to run them, and deliver what they promise.
 
 One uninterrupted run per step serves several checks (run01, run04 and the learning-curve runs of 02 and 03 are
-session fixtures in conftest.py, started by the README's commands and shared with other test files), so the suite stays fast on two cores. Bit-for-bit comparisons
-work because every run uses one thread per process and the data order and augmentation depend only on (seed, epoch,
-sample index).
+session fixtures in conftest.py, started by the README's commands and shared with other test files), so the suite
+stays fast on two cores. Bit-for-bit comparisons work because every run uses one thread per process and the data
+order and augmentation depend only on (seed, epoch, sample index).
 """
 import subprocess
 
 import pytest
 
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_one_line_error, assert_trained,
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, SMOKE, as_after_epoch, assert_one_line_error, assert_trained,
                      checkpoint_epoch, digests, env, free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
@@ -51,8 +51,25 @@ def test_02_and_03_run_on_cpu_and_agree(curves):
     assert "scaler" in load_checkpoint(checkpoint_epoch(out2, 2))
 
 
-# 02 stopped by --stop-after and resumed by 03 ends where an uninterrupted run of 01 does: with ResNet-18 and its
-# batch-norm statistics, tests/test_default_model.py.
+def test_03_stopped_then_02_resumed_ends_exactly_there(tmp_path, tiny_data, capsys):
+    """Stopped after epoch 1 by 03, resumed by 02: the same bits as an uninterrupted 02 run. Each step's main() in this
+    process (the code its command line reaches), on 8 images: no launch of its own. The other way round (02 stopped,
+    03 resumed), with ResNet-18 and launched, ending at 01's bits: tests/test_default_model.py."""
+    import runpy
+
+    def main(number, out, *extra):
+        step = runpy.run_path(script(number), run_name=f"step{number:02d}")
+        step["main"]([str(a) for a in [*tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "4", "--amp", "off",
+                                       "--out-dir", out, *extra]])
+        return "".join(capsys.readouterr())
+
+    main(2, tmp_path / "whole")
+    stopped = main(3, tmp_path / "resumed", "--stop-after", "1")
+    assert "stopping after 1 epoch" in stopped and [r["epoch"] for r in metrics(tmp_path / "resumed")] == [1], stopped
+    resumed = main(2, tmp_path / "resumed", "--resume", "auto")
+    assert "resumed from epoch 1 (written by 03_cifar10_dataparallel)" in resumed, resumed
+    assert [r["epoch"] for r in metrics(tmp_path / "resumed")] == [1, 2]
+    assert digests(tmp_path / "resumed") == digests(tmp_path / "whole") and len(digests(tmp_path / "whole")) == 1
 
 
 def test_04_torchrun_trains_identical_replicas(run04):
