@@ -148,8 +148,8 @@ SLOW_TESTS = {
 WEIGHT = {"test_default_model": 148, "test_bad_input": 123, "test_learning_curves": 116, "test_debugging": 104,
           "test_preemption": 92, "test_05_deepspeed": 85, "test_slurm": 78, "test_steps_01_04": 71,
           "test_fault_tolerance": 54, "test_benchmark": 51, "test_gpu_check": 48, "test_07_apex": 48,
-          "test_08_fsdp": 34, "test_template": 30, "test_06_horovod": 19, "test_readme": 12, "test_checkpoint": 12, "test_data": 8,
-          "test_gpu_paths": 1}
+          "test_08_fsdp": 34, "test_template": 30, "test_06_horovod": 19, "test_readme": 12, "test_checkpoint": 12,
+          "test_data": 8, "test_gpu_paths": 1}
 
 
 def pytest_collection_modifyitems(items):

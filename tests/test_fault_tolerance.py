@@ -15,9 +15,8 @@ from helpers import (BIN, DDP_ARGS, EPOCHS, REPO, digests, kill_rank_after_epoch
 # deepspeed's launcher polls its ranks once a second and exits with the status of the first failed one it finds: the
 # killed rank's -9, or 2 where the other rank noticed first and stopped with our line. The command line it prints is
 # always that of its last rank, here rank 1, whichever failed (deepspeed/launcher/launch.py).
-DEEPSPEED_VERDICT = (r"sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return code = -9|"
-                     r"stopping: another rank stopped[\s\S]*sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return "
-                     r"code = 2")
+KILLED = r"sigkill_handler\] \[.*'--local_rank=1'.*\] exits with return code = "
+DEEPSPEED_VERDICT = rf"{KILLED}-9|stopping: another rank stopped[\s\S]*{KILLED}2"
 
 
 # launcher, step, what the launcher says about the dead rank (rank 1, killed by signal 9)
