@@ -171,6 +171,7 @@ def exits_cleanly(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        bound_the_exit()
         try:
             return main(*args, **kwargs)
         except UserError as error:
@@ -193,12 +194,41 @@ def exits_cleanly(main):
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             status = 130
-        # Exit only here, once the exception and the frames it holds are gone: they hold the DataLoader's workers, which
-        # block SIGTERM (common/preempt.py), and at exit multiprocessing would wait for them forever.
-        gc.collect()
+        gc.collect()  # the exception's frames are gone: what they held (a loader, a process group) goes now
         sys.exit(status)
 
     return wrapper
+
+
+EXIT_WAIT = 30  # seconds the interpreter's exit may take (its threads and exit handlers) before it counts as a hang
+
+
+def bound_the_exit():
+    """From now on this process cannot hang silently at its exit (once per process): an exit still not done EXIT_WAIT
+    seconds after it began (a thread or child process that does not end) ends the process with one line and exit
+    status 1. The DataLoader workers, which could hold it forever, are ended by common/preempt.py."""
+    import threading
+
+    if not getattr(bound_the_exit, "watching", False):
+        bound_the_exit.watching = True
+        threading.Thread(target=_watch_the_exit, daemon=True, name="exit-watch").start()
+
+
+def _watch_the_exit():
+    import multiprocessing
+    import signal
+    import threading
+
+    threading.main_thread().join()  # returns when the interpreter's exit begins, before it joins threads and runs atexit
+    time.sleep(EXIT_WAIT)
+    children = multiprocessing.active_children()
+    print(f"error: this process was still exiting {EXIT_WAIT} s after its work ended, waiting for a thread or one of its "
+          f"{len(children)} child process(es) (pids {', '.join(str(c.pid) for c in children) or 'none'}); ended it. A bug: "
+          "please report it (docs/troubleshooting.md)", file=sys.stderr, flush=True)
+    for child in children:
+        with contextlib.suppress(OSError):
+            os.kill(child.pid, signal.SIGKILL)
+    os._exit(1)
 
 
 def amp_dtype(choice, device):

@@ -26,6 +26,7 @@ def load():
         check_gpu_build(hvd)
     cli.PEER_FAILURES.append(hvd.HorovodInternalError)
     torch.multiprocessing.set_start_method("forkserver", force=True)
+    torch.multiprocessing.set_forkserver_preload(["common", "horovod.torch"])
     return hvd
 
 

@@ -11,9 +11,14 @@ which the batch scripts requeue the job; `--resume auto` continues it exactly wh
 epoch after the steps already done (with other batch arithmetic: after the same fraction of the epoch).
 
 Processes started after Stop() (DataLoader workers above all) inherit the two signals blocked: Slurm signals every
-process of the job step, and a worker that died of it would take the training process down with it.
+process of the job step, and a worker that died of it would take the training process down with it. At exit,
+multiprocessing ends its daemonic children (the loaders' persistent workers) with SIGTERM and waits for them: blocked,
+it would wait forever for a loader that the garbage collector has not freed yet. So Stop() also has the exit end them
+with SIGKILL first, whenever the collector runs.
 """
+import atexit
 import contextlib
+import os
 import itertools
 import multiprocessing
 import signal
@@ -65,6 +70,9 @@ class Stop:
         # This thread blocks them (inherited by threads and processes it starts); one thread of ours waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=self._wait, daemon=True, name="stop-signals").start()
+        if not getattr(end_workers_at_exit, "registered", False):  # once; multiprocessing's exit handler runs after it
+            atexit.register(end_workers_at_exit)
+            end_workers_at_exit.registered = True
         self._agree = agree or agree_by_torch_distributed()
         self._pending = None  # the agreement started at the previous look
 
@@ -109,6 +117,17 @@ class Stop:
 
     def exit_status(self):
         return EXIT_REQUEUE if self.stopped else 0
+
+
+def end_workers_at_exit():
+    """What multiprocessing's exit handler does to daemonic children (DataLoader workers), with SIGKILL instead of the
+    SIGTERM they block. torch's SIGCHLD handler, which would call a loader's worker killed, goes first."""
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        with contextlib.suppress(OSError):
+            os.kill(child.pid, signal.SIGKILL)
 
 
 class Batches:

@@ -26,6 +26,7 @@ TRAIN_SIZE, TEST_SIZE = 1280, 301
 # The small model, no loader workers (2 cores), a fixed seed: what most test runs share.
 SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
 CHANCE = 0.10
+EXIT_GRACE = 15  # seconds a finished or stopped run may take from its last line to its exit (tests/test_exit.py)
 EPOCHS = ["--epochs", "2"]
 DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
 HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]  # 2 x 16 x 2 = 64 per step
@@ -111,10 +112,15 @@ def shell(command, *appended, **kw):
     last one wins). The launchers' default port 29500 becomes a free one, so that two such runs side by side (two
     pytest-xdist workers) do not meet: torchrun's through PET_MASTER_PORT, deepspeed's (which reads no variable for it)
     as --master_port after the launcher's name."""
+    cmd, port = as_typed(command, *appended)
+    return run(cmd, **{"PET_MASTER_PORT": port, **kw})
+
+
+def as_typed(command, *appended):
+    """(the argv that runs `command` with `appended` through bash, a free port for it): shell()'s command line."""
     port = free_port()
     command = re.sub(r"^((\S*/)?deepspeed) ", rf"\1 --master_port={port} ", command)
-    return run(["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])],
-               **{"PET_MASTER_PORT": port, **kw})
+    return ["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])], port
 
 
 def launch_command(launcher, nproc, number):
@@ -228,6 +234,61 @@ def start(cmd, **env_extra):
     """Start a command in the background (own process group), output to a pipe."""
     return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(**env_extra), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+class Output:
+    """A started job's output as it comes, read in a thread with the time of each line, so that a test can wait for a
+    line without blocking on it (until()) and time what follows a line (ends_within())."""
+
+    def __init__(self, job):
+        import threading
+
+        self.job, self.lines, self.times = job, [], []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        import time
+
+        for line in iter(self.job.stdout.readline, ""):
+            self.times.append(time.monotonic())
+            self.lines.append(line)
+
+    @property
+    def text(self):
+        return "".join(self.lines)
+
+    def when(self, pattern):
+        """The time of the first line that matches `pattern` (a regular expression), or None."""
+        return next((at for at, line in zip(list(self.times), list(self.lines)) if re.search(pattern, line)), None)
+
+    def until(self, pattern, timeout=120):
+        """Wait until the output so far matches `pattern` (a regular expression, re.M: ^ is a line's start); returns it."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text, re.M):
+            assert self.job.poll() is None or self.thread.is_alive(), f"no line like {pattern!r}:\n{self.text[-4000:]}"
+            assert time.monotonic() < deadline, f"no line like {pattern!r} in {timeout} s:\n{self.text[-4000:]}"
+            time.sleep(0.02)
+        return self.text
+
+    def ends_within(self, pattern, seconds, timeout=300):
+        """Wait for the job to end, and fail if it was still running `seconds` after its first line that matches
+        `pattern` (then its process group is killed: a hang at exit). Returns (exit status, seconds it took)."""
+        import signal
+        import time
+
+        self.until(pattern, timeout)
+        try:
+            self.job.wait(timeout=max(0.0, self.when(pattern) + seconds - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.job.pid, signal.SIGKILL)
+            self.thread.join(10)
+            raise AssertionError(f"still running {seconds} s after its line {pattern!r}:\n{self.text[-4000:]}")
+        ended = time.monotonic()
+        self.thread.join(10)
+        return self.job.returncode, ended - self.when(pattern)
 
 
 def rank_process(launcher, rank, timeout=60):

@@ -8,7 +8,7 @@ import signal
 import psutil
 import pytest
 
-from helpers import BIN, DDP_ARGS, PYTHON, REPO, free_port, metrics, rank_process, run, script, start
+from helpers import BIN, DDP_ARGS, PYTHON, REPO, Output, free_port, metrics, rank_process, run, script, start
 
 INJECT = REPO / "scripts" / "inject_fault.py"
 # Not anchored to the line's start: another process's output (a DataLoader warning) may share the line.
@@ -73,29 +73,13 @@ def test_a_starved_input_pipeline_shows_as_data_and_more_workers_feed_it(tmp_pat
     assert max(shown[8][:2]) < min(shown[0][:2]) / 2 and max(shown[8][2:4]) < min(shown[0][2:4]) / 2, shown
 
 
-class Output:
-    """A launcher's output as it comes: until(pattern) reads on until a line of all read so far matches."""
-
-    def __init__(self, launcher):
-        self.launcher, self.text = launcher, ""
-
-    def until(self, pattern, timeout=120):
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.text, re.M):
-            line = self.launcher.stdout.readline()
-            assert line or self.launcher.poll() is None, f"no line like {pattern!r}:\n{self.text[-4000:]}"
-            assert time.monotonic() < deadline, f"no line like {pattern!r} in {timeout} s:\n{self.text[-4000:]}"
-            self.text += line
-        return self.text
-
-
 def finish(output, stuck):
     """Rank 0 has given up: end the stuck rank (torchrun would give it 30 s) and return the whole output."""
     with contextlib.suppress(psutil.NoSuchProcess):
         stuck.kill()
-    return output.text + output.launcher.communicate(timeout=60)[0]
+    output.job.wait(timeout=60)
+    output.thread.join(10)
+    return output.text
 
 
 def py_spy_dump(process, frame, timeout=30):
