@@ -32,12 +32,12 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    if torch.cuda.is_available():  # GPU: use one if there is one; otherwise say so once and carry on on the CPU
-        device = torch.device("cuda", 0)
+    device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
+    if device is not None:
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
-    else:
+    else:  # GPU: no accelerator: say so once and carry on on the CPU
         device = torch.device("cpu")
-        print("no CUDA GPU found: running on the CPU")
+        print("no GPU found: running on the CPU")
     checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
     torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
@@ -55,8 +55,8 @@ def build_loaders(args, train_set, test_set):
     sampler = preempt.ShuffledSampler(train_set, seed=args.seed)  # an order that depends on (seed, epoch) alone
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
-                              pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.cuda.is_available())
+                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
+    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 

@@ -31,12 +31,12 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
-    if torch.cuda.is_available():  # GPU: use one if there is one; otherwise say so once and carry on on the CPU
-        device = torch.device("cuda", 0)
+    device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
+    if device is not None:
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
-    else:
+    else:  # GPU: no accelerator: say so once and carry on on the CPU
         device = torch.device("cpu")
-        print("no CUDA GPU found: running on the CPU")
+        print("no GPU found: running on the CPU")
     checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
     torch.manual_seed(args.seed)
     return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
@@ -54,8 +54,8 @@ def build_loaders(args, train_set, test_set):
     sampler = preempt.ShuffledSampler(train_set, seed=args.seed)  # an order that depends on (seed, epoch) alone
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
-                              pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.cuda.is_available())
+                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
+    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 
@@ -71,7 +71,7 @@ def build_model(args, num_classes):
 def prepare_model(args, model, device):
     model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     # DataParallel: each forward pass scatters the batch over all visible GPUs, replicates the model, gathers on GPU 0.
-    print(f"DataParallel over {torch.cuda.device_count()} GPU(s) (with fewer than 2: a passthrough)")
+    print(f"DataParallel over {torch.accelerator.device_count()} GPU(s) (fewer than 2, or MPS: a passthrough)")
     return nn.DataParallel(model)
 
 

@@ -36,18 +36,21 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
     rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()  # Horovod: from hvd.init()
-    if torch.cuda.is_available():
-        if args.local_rank >= torch.cuda.device_count():  # plumbing: more processes than GPUs on this machine
-            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
-        device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
-        torch.cuda.set_device(device)
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS
+    if accelerator is not None and accelerator.type != "cuda":  # Horovod: NCCL (CUDA, ROCm) or Gloo (CPU) only
+        raise UserError(f"Horovod has no {accelerator.type} support: use step 04 (DDP) on this machine")
+    if accelerator is not None:
+        if args.local_rank >= torch.accelerator.device_count():  # plumbing: more processes than GPUs on this machine
+            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.accelerator.device_count()} per node")
+        device = torch.device(accelerator.type, args.local_rank)  # DDP: one GPU per process, chosen by local rank
+        torch.accelerator.set_device_index(args.local_rank)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
         if rank == 0:  # plumbing: one line, not one per process
-            print("no CUDA GPU found: running on the CPU")
-    if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
-        raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
+            print("no GPU found: running on the CPU")
+    if args.sync_bn and device.type != "cuda":  # Horovod: its SyncBatchNorm runs on CUDA GPUs only
+        raise UserError("--sync-bn needs CUDA GPUs (Horovod's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
     horovod_support.share_cores(hvd)  # Horovod: horovodrun does not set OMP_NUM_THREADS (torchrun does)
     checkpoint.continue_run(args, horovod_support.share(hvd))  # --resume: that run's settings (Horovod: broadcast)
     torch.manual_seed(args.seed)
@@ -69,10 +72,10 @@ def build_loaders(args, train_set, test_set):
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
-                              pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
+                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
     # DDP: evaluation shards the test set without padding, so no image is counted twice.
     test_loader = DataLoader(test_set, batch_size=512, sampler=range(hvd.rank(), len(test_set), hvd.size()),
-                             num_workers=args.workers, pin_memory=torch.cuda.is_available())
+                             num_workers=args.workers, pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 

@@ -43,20 +43,21 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
-    if torch.cuda.is_available():
-        if args.local_rank >= torch.cuda.device_count():  # plumbing: more processes than GPUs on this machine
-            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.cuda.device_count()} per node")
-        device = torch.device("cuda", args.local_rank)  # DDP: one GPU per process, chosen by local rank
-        torch.cuda.set_device(device)
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS
+    if accelerator is not None:
+        if args.local_rank >= torch.accelerator.device_count():  # plumbing: more processes than GPUs on this machine
+            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.accelerator.device_count()} per node")
+        device = torch.device(accelerator.type, args.local_rank)  # DDP: one GPU per process, chosen by local rank
+        torch.accelerator.set_device_index(args.local_rank)
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
     else:
         device = torch.device("cpu")
         if rank == 0:  # plumbing: one line, not one per process
-            print("no CUDA GPU found: running on the CPU")
-    if args.sync_bn and device.type != "cuda":  # DDP: torch's SyncBatchNorm has no CPU kernel
-        raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm has no CPU kernel); drop --sync-bn on CPU")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",  # DDP: nccl moves GPU tensors, gloo CPU ones
-                            device_id=device if device.type == "cuda" else None,  # DDP: rank, size from the env
+            print("no GPU found: running on the CPU")
+    if args.sync_bn and device.type not in ("cuda", "xpu"):  # DDP: torch's SyncBatchNorm has kernels for these only
+        raise UserError(f"--sync-bn needs CUDA or XPU GPUs (torch's SyncBatchNorm has no {device.type} kernel); drop it")
+    backend = dist.get_default_backend_for_device(device)  # DDP: nccl for CUDA, xccl for XPU, gloo for CPU (and MPS)
+    dist.init_process_group(backend, device_id=None if backend == "gloo" else device,  # DDP: rank, size from the env
                             timeout=args.dist_timeout)  # DDP: a dead peer = an error, not a hang
     checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
     torch.manual_seed(args.seed)
@@ -78,11 +79,11 @@ def build_loaders(args, train_set, test_set):
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
-                              pin_memory=torch.cuda.is_available())  # GPU: page-locked batches copy asynchronously
+                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
     # DDP: evaluation shards the test set without padding, so no image is counted twice.
     test_loader = DataLoader(test_set, batch_size=fsdp_support.eval_batch_size(len(test_set), dist.get_world_size()),
                              sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
-                             num_workers=args.workers, pin_memory=torch.cuda.is_available())
+                             num_workers=args.workers, pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 

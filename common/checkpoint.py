@@ -12,7 +12,8 @@ run code is refused):
     scaler       torch.amp.GradScaler state_dict, or None
     epoch        epochs completed
     global_step  optimizer steps taken (also those of a part-way epoch)
-    rng          {"torch": CPU generator state, "cuda": list of per-GPU states or None}
+    rng          {"torch": CPU generator state, "device": {"type": "cuda" (or xpu, mps), "states": one per
+                 device} or None without an accelerator} (files written before 2026-11-26: "cuda": per-GPU states)
     args         the run's arguments (a dict of plain values); --resume restores them (continue_run)
     processes    the number of processes of the run (1 for steps 01-03)
     metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (a
@@ -65,8 +66,22 @@ def checkpoint_path(out_dir, epoch, row=None):
 
 
 def rng_states():
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    """The CPU generator's state, and the accelerator's (one per device) on a machine with one."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    module = torch.get_device_module(accelerator) if accelerator else None
+    states = getattr(module, "get_rng_state_all", lambda: [module.get_rng_state()])() if module else None
+    return {"torch": torch.get_rng_state(), "device": {"type": accelerator.type, "states": states} if module else None}
+
+
+def restore_rng(rng):
+    """rng_states() back; the accelerator's only on as many devices of the same type."""
+    torch.set_rng_state(rng["torch"])
+    saved = rng.get("device") or (rng.get("cuda") and {"type": "cuda", "states": rng["cuda"]})
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if saved and accelerator and saved["type"] == accelerator.type \
+            and len(saved["states"]) == torch.accelerator.device_count():
+        module = torch.get_device_module(accelerator)
+        getattr(module, "set_rng_state_all", lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
 def atomic_save(obj, path):
@@ -309,10 +324,7 @@ def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
     except (RuntimeError, ValueError, KeyError) as error:
         raise UserError(f"the checkpoint does not fit this model/optimizer ({brief(str(error).splitlines()[0])}); "
                         "check --arch and that it was written by this collection") from None
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available() \
-            and len(state["rng"]["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    restore_rng(state["rng"])
     return state["epoch"], global_step
 
 

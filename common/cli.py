@@ -237,18 +237,40 @@ def amp_dtype(choice, device):
 
 
 def amp_choice(choice, device):
-    """(dtype or None, why). auto: bf16 where it is computed natively (the CPU's autocast, GPUs from Ampere on: no loss
-    scaling needed), fp16 with loss scaling (GradScaler) on older GPUs, whose bf16 would only be emulated."""
+    """(dtype or None, why). auto: what `device` computes natively: bf16 where it does (CPUs with AVX512-BF16 or AMX,
+    ARM CPUs with BF16, GPUs from Ampere on, Intel GPUs), else fp32 on a CPU (there bf16 is emulated, several times
+    slower) and fp16 with loss scaling (GradScaler) on older CUDA GPUs."""
     import torch
 
-    if choice == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off")
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}
+    if choice == "fp16" and device.type == "cpu":
+        raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp off")
+    native, name = native_bf16(device)
     if choice != "auto":
-        return dtypes[choice], "as asked"
-    if device.type != "cuda":
-        return torch.bfloat16, "auto: bf16 on the CPU"
-    name = torch.cuda.get_device_name(device)
-    if torch.cuda.is_bf16_supported(including_emulation=False):
+        emulated = choice == "bf16" and not native
+        return ({"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[choice],
+                f"as asked; {name} has no native bf16: emulated, several times slower than fp32" if emulated
+                else "as asked")
+    if native:
         return torch.bfloat16, f"auto: {name} computes bf16 natively"
-    return torch.float16, f"auto: {name} has no native bf16, so fp16 with loss scaling"
+    if device.type == "cuda":
+        return torch.float16, f"auto: {name} has no native bf16, so fp16 with loss scaling"
+    return None, f"auto: fp32, as {name} has no native bf16 (emulated, it would be several times slower)"
+
+
+def native_bf16(device):
+    """(True if `device` computes bf16 natively, its name). A CPU's AVX512-BF16 or AMX counts where torch's kernels may
+    use it (ATEN_CPU_CAPABILITY=avx2 forbids it)."""
+    import torch
+
+    if device.type == "cpu":
+        found, isa = torch.cpu.get_capabilities(), torch.backends.cpu.get_cpu_capability()
+        x86 = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if found.get(key)]
+        if x86 and isa.startswith("AVX512"):
+            return True, f"this CPU ({' and '.join(x86)})"
+        if found.get("bf16") and not found.get("avx2"):  # an ARM CPU with the BF16 extension
+            return True, "this CPU (ARM BF16)"
+        return False, f"this CPU ({isa})"
+    module = getattr(torch, device.type, None)
+    name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type.upper()
+    check = getattr(module, "is_bf16_supported", None)
+    return bool(check and check(including_emulation=False)), name

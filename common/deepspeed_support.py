@@ -20,7 +20,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .checkpoint import ENGINE_DIR, find_resume, restore, superseded
+from .checkpoint import ENGINE_DIR, find_resume, restore, restore_rng, superseded
 from .cli import UserError, brief
 
 VERSION = "0.19.8"  # as pinned in requirements.txt
@@ -30,7 +30,7 @@ KNOWN_NOISE = ("**** You are using ZeRO with an untested optimizer",)
 def load():
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-    if not torch.cuda.is_available():
+    if not torch.accelerator.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "OMP_NUM_THREADS" not in os.environ:  # the deepspeed launcher does not set it (torchrun does): share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", 1))))
@@ -40,7 +40,7 @@ def load():
         reason = brief(str(error).strip().splitlines()[0], 120)
         raise UserError(f"DeepSpeed is not importable by {sys.executable} ({reason}): install it with "
                         f"`{sys.executable} -m pip install deepspeed=={VERSION}`") from None
-    if not torch.cuda.is_available():
+    if not torch.accelerator.is_available():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.utils.logger.addFilter(lambda record: not record.getMessage().startswith(KNOWN_NOISE))
     return deepspeed
@@ -175,5 +175,5 @@ def load_engine(engine, found, resume, step):
     if path is None or "epoch" not in (client or {}):
         raise UserError(f"--resume {resume}: no DeepSpeed checkpoint of {step} there (expected a folder written "
                         "by it, holding `latest` or *model_states.pt)")
-    torch.set_rng_state(client["rng"]["torch"])
+    restore_rng(client["rng"])
     return os.path.dirname(path), client

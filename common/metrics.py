@@ -1,4 +1,5 @@
 """metrics.jsonl (one JSON object per epoch), console lines, the training-curve PNG, and --profile's trace."""
+import contextlib
 import json
 import os
 import re
@@ -64,11 +65,11 @@ _PRECISION = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}
 def start_line(step, args, device, precision, train_loader, synthetic, processes=None, prefix=""):
     """The run's first line: model, devices, precision, batch arithmetic, data. `processes` None: one process."""
     steps, images = len(train_loader) // args.grad_accum, len(train_loader.dataset)
-    if args.amp == "auto" and not isinstance(precision, str):  # say what auto chose, and why
+    if not isinstance(precision, str):  # say what auto chose and why, or that bf16 is emulated here
         from .cli import amp_choice
 
-        precision = f"{_PRECISION[str(precision)]} ({amp_choice(args.amp, device)[1]})"
-    precision = _PRECISION.get(str(precision), precision)
+        why = amp_choice(args.amp, device)[1]
+        precision = _PRECISION[str(precision)] + (f" ({why})" if why != "as asked" else "")
     if processes is None:
         batch = f"batch {args.batch_size} x {args.grad_accum} accumulation"
         where = device
@@ -158,13 +159,14 @@ def plot(out_dir, title):
 
 
 def peak_memory_mb(device):
-    """Peak memory of this process so far: the CUDA allocator's peak on a GPU, else the peak
+    """Peak memory of this process so far: the accelerator's allocator peak on a GPU, else the peak
     resident set size (which includes the Python interpreter and libraries). On Linux that is VmHWM: ru_maxrss
     survives exec, so a process started from a large parent (a notebook, a benchmark) would report the parent's."""
     import torch
 
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type != "cpu":
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # an accelerator without memory statistics
+            return torch.accelerator.max_memory_allocated(device) / 2**20
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
@@ -205,7 +207,7 @@ class Profile:
         if self.steps and self.count == PROFILE_AFTER + 1:
             import torch.profiler as tp
 
-            activities = [tp.ProfilerActivity.CPU] + [tp.ProfilerActivity.CUDA] * _cuda_in_use()
+            activities = tp.supported_activities() if _accelerator_in_use() else [tp.ProfilerActivity.CPU]
             self.profiler, self.start = tp.profile(activities=activities), time.perf_counter()
             self.profiler.__enter__()
         elif self.profiler and self.count == PROFILE_AFTER + 1 + self.steps:
@@ -238,10 +240,10 @@ class Profile:
               flush=True)
 
 
-def _cuda_in_use():
+def _accelerator_in_use():
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.accelerator.is_available() and getattr(torch.get_device_module(), "is_initialized", bool)()
 
 
 def _shares(events, data_name):

@@ -101,9 +101,9 @@ print(json.dumps(results))
 
 # What only one step refuses on a CPU, before it writes anything: the same one line, and no --out-dir made.
 REFUSED_ON_CPU = {
-    "04": {"sync-bn-on-the-cpu": (["--sync-bn"], ["--sync-bn needs CUDA GPUs"])},
+    "04": {"sync-bn-on-the-cpu": (["--sync-bn"], ["--sync-bn needs CUDA or XPU GPUs"])},
     "05": {"fp16-on-the-cpu": (["--amp", "fp16"],
-                               ["--amp fp16 needs a CUDA GPU; on the CPU use --amp bf16 or --amp off"])},
+                               ["--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp off"])},
     "07": {"apex-not-installed": (["--amp-backend", "apex"], ["NVIDIA Apex is not installed", "25.05",
                                                               "from source on a CUDA machine", "NGC PyTorch container",
                                                               "--amp-backend torch"])},

@@ -1,6 +1,7 @@
 """The code that a GPU runs, run on the CPU wherever the library allows it, so that CI proves it.
 
-* --amp auto: bf16 where it is native (the CPU; GPUs from Ampere on), fp16 with loss scaling on older GPUs.
+* --amp auto: bf16 where it is native (CPUs with AVX512-BF16 or AMX, ARM CPUs with BF16, GPUs from Ampere on),
+  fp32 on other CPUs (bf16 emulated), fp16 with loss scaling on older GPUs; --amp bf16 says when it is emulated.
 * Step 03: DataParallel runs each replica in a thread of its own, which parallel_apply puts under autocast with
   `enabled` alone; a new thread's autocast dtype is the default one. The CPU shows the same thread state (its
   default is bf16), so fp16 here plays the part bf16 plays on a GPU (whose default is fp16).
@@ -19,10 +20,42 @@ from common.cli import UserError
 from helpers import SMOKE, script
 
 
+CPUS = {  # what torch.cpu.get_capabilities() and torch.backends.cpu.get_cpu_capability() say on some CPUs
+    "AVX512-BF16": ({"avx2": True, "avx512_bf16": True}, "AVX512"),
+    "Sapphire Rapids": ({"avx2": True, "avx512_bf16": True, "amx_bf16": True}, "AVX512"),
+    "AVX2": ({"avx2": True}, "AVX2"),
+    "AVX512-BF16 under ATEN_CPU_CAPABILITY=avx2": ({"avx2": True, "avx512_bf16": True}, "AVX2"),
+    "AVX512 without BF16": ({"avx2": True, "avx512_f": True}, "AVX512"),
+    "Graviton 3": ({"neon": True, "bf16": True}, "SVE256"),
+}
+
+
+@pytest.mark.parametrize("cpu,dtype,why", [
+    ("AVX512-BF16", torch.bfloat16, "auto: this CPU (AVX512-BF16) computes bf16 natively"),
+    ("Sapphire Rapids", torch.bfloat16, "auto: this CPU (AVX512-BF16 and AMX) computes bf16 natively"),
+    ("AVX2", None, "auto: fp32, as this CPU (AVX2) has no native bf16 (emulated, it would be several times slower)"),
+    ("AVX512-BF16 under ATEN_CPU_CAPABILITY=avx2", None, "auto: fp32, as this CPU (AVX2) has no native bf16 "
+                                                         "(emulated, it would be several times slower)"),
+    ("AVX512 without BF16", None, "auto: fp32, as this CPU (AVX512) has no native bf16 (emulated, it would be "
+                                  "several times slower)"),
+    ("Graviton 3", torch.bfloat16, "auto: this CPU (ARM BF16) computes bf16 natively"),
+])
+def test_auto_precision_on_a_cpu_is_what_it_computes_natively(cpu, dtype, why, monkeypatch):
+    from common.cli import amp_choice
+
+    found, isa = CPUS[cpu]
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: found)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+    assert amp_choice("auto", torch.device("cpu")) == (dtype, why)
+    assert amp_choice("off", torch.device("cpu")) == (None, "as asked")
+    assert amp_choice("bf16", torch.device("cpu")) == (torch.bfloat16, "as asked" if dtype else
+                                                       f"as asked; {why.split(', as ')[1].split(' has')[0]} has no "
+                                                       "native bf16: emulated, several times slower than fp32")
+
+
 def test_auto_precision_is_bf16_where_native_and_fp16_on_older_gpus(monkeypatch):
     from common.cli import amp_choice
 
-    assert amp_choice("auto", torch.device("cpu")) == (torch.bfloat16, "auto: bf16 on the CPU")
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
@@ -31,7 +64,7 @@ def test_auto_precision_is_bf16_where_native_and_fp16_on_older_gpus(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert amp_choice("auto", gpu) == (torch.bfloat16, "auto: NVIDIA H100 computes bf16 natively")
     assert amp_choice("fp16", gpu)[0] == torch.float16 and amp_choice("off", gpu)[0] is None
-    with pytest.raises(UserError, match="--amp fp16 needs a CUDA GPU"):
+    with pytest.raises(UserError, match="--amp fp16 needs a GPU"):
         amp_choice("fp16", torch.device("cpu"))
 
 

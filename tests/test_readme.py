@@ -44,6 +44,13 @@ def test_the_quick_start_main_job_runs_as_written(tmp_path):
     shell(generate, "--data-dir", data, "--train-size", "640", "--test-size", "101")
     proc = shell(train, "--data-dir", data, "--epochs", "1", "--out-dir", tmp_path / "out", timeout=300)
     assert "on 2 x cpu" in proc.output and "epoch   1/1" in proc.output, proc.output
+    import torch
+
+    from common.cli import amp_choice, native_bf16
+
+    # --amp auto: what this CPU computes natively, and why (fp32 where bf16 would be emulated: tests/test_steps_01_04.py)
+    dtype, why = amp_choice("auto", torch.device("cpu"))
+    assert f"amp {'bf16' if native_bf16(torch.device('cpu'))[0] else 'off'} ({why})," in proc.output, proc.output
     assert [row["epoch"] for row in metrics(tmp_path / "out")] == [1] and len(set(digests(tmp_path / "out").values())) == 1
 
 

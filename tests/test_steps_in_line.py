@@ -30,7 +30,7 @@ PAIRS = [
     ("02_cifar10_gpu.py", "03_cifar10_dataparallel.py", "DataParallel:", 40),
     ("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:", 110),
     ("04_cifar10_ddp.py", "05_cifar10_deepspeed.py", "DeepSpeed:", 160),
-    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:", 110),
+    ("04_cifar10_ddp.py", "06_cifar10_horovod.py", "Horovod:", 115),
     ("04_cifar10_ddp.py", "07_cifar10_apex.py", "Apex:", 110),
     ("04_cifar10_ddp.py", "08_cifar10_fsdp.py", "FSDP:", 110),
 ]
