@@ -1,25 +1,27 @@
 """Step 04: one process per GPU with DistributedDataParallel (DDP), on one machine or many.
 
-What changes from step 03: a launcher starts one process per GPU. Each joins a process group,
-trains a replica on its own shard of every epoch (DistributedSampler) and DDP averages the
-gradients during backward. Only rank 0 prints and saves. No launcher: --spawn N, or one process.
+What changes from step 03: a launcher starts one process per GPU. Each joins a process group, trains a replica on
+its own shard of every epoch (DistributedSampler) and DDP averages the gradients during backward. Only rank 0 saves.
+Every place where the ranks meet says `collective` in its comment. No launcher: --spawn N, or one process.
 
     torchrun --nproc_per_node=4 04_cifar10_ddp.py
     python -m torch.distributed.launch --nproc_per_node=4 04_cifar10_ddp.py   # legacy launcher
 """
 import contextlib
+import datetime
 import gc
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import checkpoint, data, distributed, metrics, models, preempt
-from common.cli import UserError, amp_dtype, exits_cleanly, shared_parser
+from common import checkpoint, data, metrics, models, preempt
+from common.cli import amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
 STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
@@ -28,58 +30,61 @@ MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 # ----------------------------------------------------------------------------- argument parsing
 def parse_args(argv=None):
-    parser = shared_parser("Step 04: training with DistributedDataParallel, one process per GPU.", STEP, ARCHS)
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help="set by torch.distributed.launch (torchrun sets LOCAL_RANK)")  # DDP: launcher argument
-    parser.add_argument("--sync-bn", action="store_true",
-                        help="batch-norm statistics over the global batch (SyncBatchNorm; needs CUDA GPUs)")
-    distributed.add_arguments(parser)  # plumbing: --spawn N (no launcher), --dist-timeout SECONDS
+    parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)  # the flags of every step
+    # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK instead); the GPU it uses
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser.add_argument("--spawn", type=int, default=0, metavar="N", help="no launcher: start N processes")  # DDP: main
+    parser.add_argument("--dist-timeout", type=int, default=600, metavar="SECONDS", help="wait for a missing rank")  # DDP:
+    parser.add_argument("--sync-bn", action="store_true", help="batch norm over the global batch (CUDA, XPU)")  # DDP:
     return parser.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- process/device setup
 def setup(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
-    accelerator = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS
-    if accelerator is not None:
+    device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
+    if device is not None:  # GPU: there is one
         if args.local_rank >= torch.accelerator.device_count():  # plumbing: more processes than GPUs on this machine
-            raise UserError(f"local rank {args.local_rank} has no GPU: start <= {torch.accelerator.device_count()} per node")
-        device = torch.device(accelerator.type, args.local_rank)  # DDP: one GPU per process, chosen by local rank
-        torch.accelerator.set_device_index(args.local_rank)
+            sys.exit(f"local rank {args.local_rank} has no GPU: start <= {torch.accelerator.device_count()} per node")
+        device = torch.device(device.type, args.local_rank)  # DDP: one GPU per process, chosen by its local rank
+        torch.accelerator.set_device_index(args.local_rank)  # DDP: its default device from now on
         torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
-    else:
+    else:  # GPU: no accelerator: say so once and carry on on the CPU
         device = torch.device("cpu")
         if rank == 0:  # plumbing: one line, not one per process
             print("no GPU found: running on the CPU")
     if args.sync_bn and device.type not in ("cuda", "xpu"):  # DDP: torch's SyncBatchNorm has kernels for these only
-        raise UserError(f"--sync-bn needs CUDA or XPU GPUs (torch's SyncBatchNorm has no {device.type} kernel); drop it")
+        sys.exit(f"--sync-bn needs CUDA or XPU GPUs (torch's SyncBatchNorm has no {device.type} kernel); drop it")
     backend = dist.get_default_backend_for_device(device)  # DDP: nccl for CUDA, xccl for XPU, gloo for CPU (and MPS)
     dist.init_process_group(backend, device_id=None if backend == "gloo" else device,  # DDP: rank, size from the env
-                            timeout=args.dist_timeout)  # DDP: a dead peer = an error, not a hang
-    checkpoint.continue_run(args)  # --resume: that run's settings (those not typed); --out-dir: this run's (refusals)
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # DDP: a dead peer = an error
+    verdict = [checkpoint.settings(args) if rank == 0 else None]  # DDP: rank 0 alone reads --resume's checkpoint
+    dist.broadcast_object_list(verdict, src=0)  # DDP: collective: its settings on every rank (no shared disk needed)
+    verdict[0].apply(args)  # DDP: that run's settings (those not typed), or the error, on every rank
     torch.manual_seed(args.seed)
-    return device, amp_dtype(args.amp, device), rank, world_size
+    return device, amp_dtype(args.amp, device), rank, world_size  # DDP: this process's rank, and how many there are
 
 
 # ----------------------------------------------------------------------------- data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
     if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
-        data.prepare_cifar10(args.data_dir)  # CIFAR-10: downloads unless a cifar-10-batches-py folder is there
-    dist.barrier()
-    train_set, test_set = data.cifar10_datasets(args.data_dir, seed=args.seed)
-    return train_set, test_set, data.Info(num_classes=10, synthetic=data.is_synthetic(args.data_dir))
+        data.download(args.data_dir)  # CIFAR-10: downloads it unless a cifar-10-batches-py folder is there
+    dist.barrier()  # DDP: collective
+    return data.cifar10(args.data_dir, seed=args.seed)
 
 
 def build_loaders(args, train_set, test_set):
-    # DDP: each rank draws a disjoint 1/world_size shard of one shared permutation (seed + epoch).
-    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                              num_workers=args.workers, persistent_workers=args.workers > 0, drop_last=True,
+    # DDP: each rank gets a disjoint 1/world_size shard of one random order of the whole set per epoch, from (seed,
+    # epoch) alone. EpochSampler: whole optimizer steps; a resumed epoch starts after those already done.
+    order = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
+                              persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
     # DDP: evaluation shards the test set without padding, so no image is counted twice.
-    test_loader = DataLoader(test_set, batch_size=512, sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
-                             num_workers=args.workers, pin_memory=torch.accelerator.is_available())
+    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.accelerator.is_available(),
+                             sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()))
     return train_loader, test_loader, sampler
 
 
@@ -87,15 +92,15 @@ def build_loaders(args, train_set, test_set):
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
 
 
-def build_model(args, num_classes):
+def build_model(args, info):
     """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
-    return ARCHS[args.arch](num_classes=num_classes, mean=data.MEAN, std=data.STD)
+    return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
 def prepare_model(args, model, device):
     model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
-    # DDP: copies rank 0's weights to all ranks now; averages gradients in buckets while backward still runs.
+    # DDP: collective: copies rank 0's weights to all ranks now; averages gradients in buckets while backward still runs.
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
 
 
@@ -109,18 +114,21 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(model, batches, optimizer, scheduler, scaler, device, amp_dtype):
+def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop, meter):
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    for step, (images, labels) in enumerate(batches):  # whole accumulation groups (batches: see main)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    for step, (images, labels) in enumerate(loader):
+        meter.batch_in_hand()  # per-rank timing (metrics.Meter): the wait for this batch was data time
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=batches.memory_format)
-        labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % batches.grad_accum == 0
+        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),
+                          labels.to(device, non_blocking=True))
+        last_pass = (step + 1) % args.grad_accum == 0
         with contextlib.nullcontext() if last_pass else model.no_sync():  # DDP: all-reduce on the last pass only
+            # DDP: collective: the forward broadcasts rank 0's buffers (batch-norm statistics) to every replica
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss / batches.grad_accum).backward()  # gradients add up over the passes of a group
+            scaler.scale(loss / args.grad_accum).backward()  # DDP: collective on the last pass: averages gradients
         if last_pass:  # DDP: gradients are averaged across ranks now; one optimizer step per group
             scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
             scaler.update()
@@ -128,86 +136,103 @@ def train_one_epoch(model, batches, optimizer, scheduler, scaler, device, amp_dt
             optimizer.zero_grad()  # gradients to None (the default): nothing to zero
         totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
         totals[1] += len(labels)
-    dist.all_reduce(totals)  # DDP: every rank saw different images; sum over ranks for the loss and throughput
-    return metrics.train_row(totals, batches)
+        meter.batch_done()
+        # DDP: collective every 8th step (main's agreement): every rank stops after the same step
+        if last_pass and stop.requested((step + 1) // args.grad_accum):
+            break
+    dist.all_reduce(totals)  # DDP: collective: every rank saw different images; the sums over ranks
+    timing = meter.timing()  # DDP: this rank's timing in its own slots; the max over ranks fills every rank's
+    dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # DDP: collective
+    return meter.row(totals, timing)  # DDP: the row holds every rank's timing
 
 
 # ----------------------------------------------------------------------------- evaluate
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype, memory_format):
+def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # as in training
     for images, labels in loader:
-        images = images.to(device, non_blocking=True, memory_format=memory_format)  # GPU: as in training
-        labels = labels.to(device, non_blocking=True)
+        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),  # GPU: as in training
+                          labels.to(device, non_blocking=True))
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images).float()
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
-    dist.all_reduce(totals)  # DDP: add up every shard's loss sum, hits and count
+    dist.all_reduce(totals)  # DDP: collective: add up every shard's loss sum, hits and count
     loss_sum, correct, count = totals.tolist()
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
 # ----------------------------------------------------------------------------- checkpoint
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, synthetic):
+def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
     # DataParallel: save the model inside the wrapper (no `module.` prefix), as every later step does too.
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
                            model_state=model.module.state_dict(), optimizer=optimizer, scheduler=scheduler,
-                           scaler=scaler, args=args, metrics=row, synthetic=synthetic)
+                           scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
 
 
 def resume(args, model, optimizer, scheduler, scaler):
-    state = checkpoint.find_resume(args.resume, args.out_dir, args.arch, verbose=dist.get_rank() == 0)
-    if state is None:
-        return 0, 0, {}
-    epoch, global_step = checkpoint.restore(state, model=model.module, optimizer=optimizer, scheduler=scheduler,
-                                            scaler=scaler)
-    if dist.get_rank() == 0:  # plumbing: every rank read the same file; one of them says so
-        print(f"resumed from {checkpoint.describe(state)}")
-    return epoch, global_step, preempt.part_done(state)  # {epoch: its part done} if it stopped part-way
+    # --resume's checkpoint into the objects; (epochs done, steps done, {epoch: its part done} if it stopped part-way)
+    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                             verbose=dist.get_rank() == 0)  # plumbing: every rank reads it; one says so
 
 
 # ----------------------------------------------------------------------------- main
+# DDP: --spawn: each process that mp.spawn starts gets what a launcher would set for it, then trains.
+def run_as_rank(local_rank, argv, world_size):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))  # DDP: see above
+    sys.exit(main(argv))  # DDP: its exit status is the process's (mp.spawn reports a rank that failed)
+
+
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # plumbing: no launcher: start --spawn N processes here (mp.spawn), or a group of one
-        return distributed.without_launcher(main, argv, args.spawn)
-    device, amp_dtype, rank, world_size = setup(args)
-    stop = preempt.Stop(stop_after=args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (docstring)
+    if "RANK" not in os.environ:  # DDP: started without a launcher: be a group of one
+        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        if args.spawn:  # DDP: or --spawn N: mp.spawn starts N processes, each runs main() as a rank (run_as_rank)
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))  # as torchrun does
+            try:
+                return mp.spawn(run_as_rank, args=(argv, args.spawn), nprocs=args.spawn) or 0
+            except mp.ProcessExitedException as error:  # a rank failed (its own error is above)
+                sys.exit(f"rank {error.error_index} of {args.spawn} exited with status {error.exit_code}")
+    device, amp_dtype, rank, world_size = setup(args)  # DDP: joins the process group
+    group = dist.new_group(backend="gloo")  # DDP: collective: a CPU group of its own for the stop flag
+    # DDP: collective: a stop signal on any rank stops them all after the same step: a max over ranks, started every
+    # 8th step without waiting and read 8 steps later (common/preempt.py)
+    stop = preempt.Stop(args.stop_after, agree=lambda flag: dist.all_reduce(flag, dist.ReduceOp.MAX, group=group,
+                                                                             async_op=True).wait)
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
-    model = prepare_model(args, build_model(args, info.num_classes), device)
-    optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader) // args.grad_accum, device, amp_dtype)
+    model = prepare_model(args, build_model(args, info), device)
+    steps_per_epoch = len(train_loader) // args.grad_accum
+    optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
-    batches = preempt.Batches(train_loader, args.grad_accum, memory_format, stop, part_done, metrics.Profile(args))
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
-    log = metrics.MetricsLog(args.out_dir, start_epoch, info.synthetic) if rank == 0 else None  # DDP: rank 0 writes
-    if rank == 0:  # plumbing: one rank prints and draws
-        print(metrics.start_line(STEP, args, device, amp_dtype, train_loader, info.synthetic, processes=world_size))
+    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
+    log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
-        sampler.set_epoch(epoch)  # DDP: a new shared permutation each epoch (without it: same order every epoch)
-        row = {"epoch": epoch, **train_one_epoch(train_model, batches.epoch(epoch), optimizer, scheduler, scaler,
-                                                 device, amp_dtype)}
+        # A new order each epoch; after a stop part-way through it, only the steps not done yet.
+        meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
+        row = {"epoch": epoch, **train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler,
+                                                 device, amp_dtype, stop, meter)}
         global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
-            row.update(evaluate(train_model, test_loader, device, amp_dtype, memory_format))
+            row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
         if rank == 0:  # DDP: one writer; the others would race on the same files
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info.synthetic)
-            print(metrics.epoch_line(log.append(row), args.epochs), flush=True)
-        dist.barrier()  # DDP: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
+            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
+        log.epoch(row)
+        dist.barrier()  # DDP: collective: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
+        # DDP: collective: a stop signal (agreed by all), or --stop-after: continue with --resume auto
+        if stop.leave(epoch, start_epoch, args.epochs):
             break
 
-    if rank == 0:  # plumbing: one rank prints and draws
-        metrics.plot(args.out_dir, f"{STEP} ({args.arch}, {world_size} processes)")
-    checkpoint.write_digest(args.out_dir, rank, model.module.state_dict())  # DDP: equal files = equal replicas
+    log.finish(model.module.state_dict())  # DDP: every rank its weights-rankN.sha256: equal files = equal replicas
     del model, train_model  # plumbing: free DDP now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
-    gc.collect()
+    gc.collect()  # plumbing: (see above)
     dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
     return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
 

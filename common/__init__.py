@@ -1,10 +1,9 @@
-"""What every numbered script shares and none of them teaches: data, models, checkpoints, metrics.
-
-Nothing in here is specific to a parallelism method; the method's own code lives in the scripts.
-"""
+"""What every numbered script shares and none of them teaches: the data, the models, the checkpoint file format, the
+schedule, the command line and what a run reports. No parallelism library is imported here, and no collective is made
+here: each method's own calls, and every place where the ranks meet, are in its script."""
 import gc
 
-from . import _torchvision  # noqa: E402,F401  (torchvision imports after this, also with a CPU-only torch)
+from . import _torchvision  # noqa: F401  (torchvision imports after this, also with a CPU-only torch)
 
 # torch and torchvision leave ~300,000 objects that live as long as the process. Frozen (moved out of the collector's
 # generations), they are no longer walked by each full collection during training nor by the collection at shutdown:

@@ -1,30 +1,28 @@
-"""The one checkpoint format every step writes and reads.
+"""The one checkpoint format every step writes and reads, and continuing a run from it.
 
-A checkpoint is a `torch.save`d dict (loaded back with `weights_only=True`, so a file that would
-run code is refused):
+A checkpoint is a `torch.save`d dict (loaded back with `weights_only=True`, so a file that would run code is refused):
 
     format       "parallel-steps/1"
     step         the script that wrote it, e.g. "04_cifar10_ddp"
     arch         the --arch of the model
     model        state_dict of the bare model: never a `module.` prefix; tensors contiguous (NCHW)
-    optimizer    optimizer.state_dict(), or None (DeepSpeed exports keep theirs in the engine checkpoint)
+    optimizer    optimizer.state_dict(), or None (05's: the engine keeps its own)
     scheduler    LR scheduler state_dict, or None
-    scaler       torch.amp.GradScaler state_dict, or None
+    scaler       torch.amp.GradScaler state_dict ({} when disabled), or None
     epoch        epochs completed
     global_step  optimizer steps taken (also those of a part-way epoch)
-    rng          {"torch": CPU generator state, "device": {"type": "cuda" (or xpu, mps), "states": one per
-                 device} or None without an accelerator} (files written before 2026-11-26: "cuda": per-GPU states)
-    args         the run's arguments (a dict of plain values); --resume restores them (continue_run)
-    processes    the number of processes of the run (1 for steps 01-03)
-    metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (a
-                 preemption signal, see preempt.py) the training half of the row so far, with
-                 "partial": True, "steps" done and "of_steps" per epoch
+    rng          {"torch": CPU generator state, "device": {"type": "cuda" (xpu, mps), "states": one per device} or
+                 None} (files written before 2026-11-26: "cuda", the per-GPU states)
+    args         the run's arguments (plain values); --resume takes those not typed (settings)
+    processes    the number of processes of the run
+    metrics      the metrics.jsonl row of that epoch; for a run stopped part-way through an epoch (preempt.py) the
+                 training half of the row so far, with "partial": True, "steps" done and "of_steps" per epoch
     synthetic    True when trained on common.synthetic data
 
-Files are `checkpoint-epochNNNN.pt` in --out-dir (NNNN epochs done), and `checkpoint-epochNNNN-stepSSSSSS.pt`
-for a run stopped SSSSSS optimizer steps into the epoch after those; only the newest of those is kept. A save writes a temporary file, flushes it to
-disk and renames it into place, so a crash (even SIGKILL during the save) never leaves a
-truncated file under a checkpoint name: the previous one stays the newest complete checkpoint.
+Files are `checkpoint-epochNNNN.pt` in --out-dir (NNNN epochs done), and `checkpoint-epochNNNN-stepSSSSSS.pt` for a
+run stopped SSSSSS optimizer steps into the epoch after those; the newest 3 are kept, and of the part-way ones only the
+newest. A save writes a temporary file, flushes it to disk and renames it into place, so a crash (even SIGKILL during
+the save) never leaves a truncated file under a checkpoint name: the previous one stays the newest complete one.
 """
 import contextlib
 import glob
@@ -40,24 +38,18 @@ from .cli import UserError, brief, processes, rank
 
 FORMAT = "parallel-steps/1"  # (files written before it was renamed say "cifar10-parallel/1": read the same way)
 FORMATS = (FORMAT, "cifar10-parallel/1")
-ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the checkpoint folders of steps 05 (DeepSpeed) and 08 (FSDP)
+ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the folders of the libraries' own checkpoints (steps 05 and 08)
 # Settings of this invocation and this machine, never taken from a checkpoint's run: where to write, how to start,
-# what the hardware allows (--sync-bn needs GPUs, --compile a compiler; on/off flags without a --no- form), and the
-# DeepSpeed config's path (absolute, of the checkout that wrote it).
+# what the hardware allows, and the DeepSpeed config's path.
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers", "compile", "sync_bn",
                 "fp16_allreduce", "dist_timeout", "deepspeed_config", "profile"}
-TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # the name of one epoch's folder in ds_checkpoints/ or dcp/
+TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # one epoch's folder in ds_checkpoints/ or dcp/
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
-def epochs_done(epoch, row):
-    """Epochs completed when epoch `epoch` ended with metrics `row` (one fewer if it stopped part-way)."""
-    return epoch - 1 if (row or {}).get("partial") else epoch
-
-
 def tag(epoch, row=None):
-    """epochNNNN, or epochNNNN-stepSSSSSS for a part-way epoch: names that sort in training order."""
-    done = epochs_done(epoch, row)
+    """epochNNNN (epochs done), or epochNNNN-stepSSSSSS for epoch `epoch` stopped part-way: names in training order."""
+    done = epoch - 1 if (row or {}).get("partial") else epoch
     return f"epoch{done:04d}" + (f"-step{row['steps']:06d}" if done < epoch else "")
 
 
@@ -73,8 +65,7 @@ def rng_states():
     return {"torch": torch.get_rng_state(), "device": {"type": accelerator.type, "states": states} if module else None}
 
 
-def restore_rng(rng):
-    """rng_states() back; the accelerator's only on as many devices of the same type."""
+def _restore_rng(rng):
     torch.set_rng_state(rng["torch"])
     saved = rng.get("device") or (rng.get("cuda") and {"type": "cuda", "states": rng["cuda"]})
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -84,63 +75,55 @@ def restore_rng(rng):
         getattr(module, "set_rng_state_all", lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
-def atomic_save(obj, path):
-    """torch.save to path so that path is either the old file or the complete new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
 def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
          scaler=None, args=None, metrics=None, synthetic=False, keep=3):
     """Write checkpoint-epochNNNN.pt (or -stepSSSSSS.pt for a part-way epoch) atomically; keep the newest `keep`
     of them, and of the part-way ones only the newest file. Returns the path."""
     state = {
-        "format": FORMAT, "step": step, "arch": arch,
-        "model": contiguous(model_state),
-        "optimizer": contiguous(getattr(optimizer, "state_dict", lambda: optimizer)()),  # optimizer, state or None
+        "format": FORMAT, "step": step, "arch": arch, "model": _contiguous(model_state),
+        "optimizer": _contiguous(getattr(optimizer, "state_dict", lambda: optimizer)()),  # optimizer, state or None
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "epoch": epochs_done(epoch, metrics), "global_step": global_step, "rng": rng_states(),
+        "epoch": epoch - 1 if (metrics or {}).get("partial") else epoch, "global_step": global_step,
+        "rng": rng_states(), "processes": processes(), "metrics": metrics or {}, "synthetic": bool(synthetic),
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         if args is not None else {},
-        "metrics": metrics or {}, "synthetic": bool(synthetic), "processes": processes(),
     }
     path = checkpoint_path(out_dir, epoch, metrics)
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        atomic_save(state, path)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        folder = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # make the rename itself durable
+        finally:
+            os.close(folder)
     except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
         reason = error.strerror if isinstance(error, OSError) and error.strerror else "the write failed: disk full?"
         raise UserError(f"cannot write checkpoint {path} ({reason}); the previous checkpoints "
                         "are untouched: free disk space or pick a writable --out-dir, then --resume auto") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
     for old in superseded(list_checkpoints(out_dir), keep):
         os.remove(old)
     return path
 
 
-def contiguous(state):
+def _contiguous(state):
     """A state_dict (nested dicts and lists) with every tensor in the plain layout: a run with --channels-last keeps
     NHWC weights and momentum, which a step that runs NCHW would load as they are (Horovod's broadcast refuses them)."""
     if isinstance(state, torch.Tensor):
         return state.contiguous()
     if isinstance(state, dict):
-        return {key: contiguous(value) for key, value in state.items()}
+        return {key: _contiguous(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(contiguous(value) for value in state)
+        return type(state)(_contiguous(value) for value in state)
     return state
 
 
@@ -188,9 +171,8 @@ def load(path, arch=None, mmap=False):
     return state
 
 
-def find_resume(resume, out_dir, arch, verbose=True):
-    """`--resume`: None -> None; 'auto' -> newest complete checkpoint in out_dir (or None, said when verbose);
-    else that file."""
+def _find(resume, out_dir, arch, verbose):
+    """`--resume`: None -> None; 'auto' -> newest readable checkpoint in out_dir (None if there is none); a path."""
     if resume is None:
         return None
     if resume != "auto":
@@ -203,45 +185,107 @@ def find_resume(resume, out_dir, arch, verbose=True):
             if path == found[-1]:  # none can be continued: never start over silently on top
                 raise UserError(f"--resume auto: no checkpoint in {out_dir} can be continued by this run ({error}); "
                                 "or use another --out-dir, or --overwrite to replace that run") from None
-            print(f"warning: skipping {path}: {error}", file=sys.stderr)
+            if verbose:
+                print(f"warning: skipping {path}: {error}", file=sys.stderr)
     if verbose:
         print(f"no checkpoint in {out_dir}: starting from scratch")
     return None
 
 
-def continue_run(args, share=None):
-    """Make --out-dir this run's, and with --resume continue the run it names with that run's settings: every setting
-    not typed on the command line (args.given) comes from the checkpoint, so `--resume auto` alone continues it.
+def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scaler=None, verbose=True, says=""):
+    """Continue what --resume names (a checkpoint-epochNNNN.pt, or `state`: one a library's checkpoint held): its
+    states into the objects given (each anything with load_state_dict(), or a function that takes the state), the
+    RNGs, and, with verbose, one line saying so (+ `says`). Returns (epochs done, optimizer steps done, {epoch: the
+    row a run stopped part-way through it saved}); (0, 0, {}) for a fresh start."""
+    state = state or _find(args.resume, args.out_dir, args.arch, verbose)
+    if state is None:
+        return 0, 0, {}
+    global_step = state["global_step"]
+    try:
+        for target, saved in ((model, state.get("model")), (optimizer, state.get("optimizer"))):
+            if target is not None and saved is not None:
+                getattr(target, "load_state_dict", target)(saved)
+        steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
+        steps_then = _steps_per_epoch(state)
+        if scheduler is not None and state.get("scheduler") is not None and steps_then in (None, steps_now):
+            scheduler.load_state_dict(state["scheduler"])
+        elif scheduler is not None:  # other batch arithmetic, or no schedule saved (05's)
+            global_step = _by_progress(state, steps_then, steps_now)
+            scheduler.last_epoch = global_step  # where the schedule would be after that many steps
+            for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base_lr * factor(global_step)
+            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        if scaler is not None and state.get("scaler"):  # {} = saved by a disabled (bf16/fp32) scaler
+            getattr(scaler, "load_state_dict", scaler)(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise UserError(f"the checkpoint does not fit this model/optimizer ({brief(str(error).splitlines()[0])}); "
+                        "check --arch and that it was written by this collection") from None
+    _restore_rng(state["rng"])
+    row = state.get("metrics") or {}
+    if verbose:
+        where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}" if row.get("partial")
+                 else f"epoch {state['epoch']}")
+        weights_only = ": weights only, momentum starts from zero" if optimizer is None and model is not None else ""
+        print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}{weights_only}")
+    return state["epoch"], global_step, ({row["epoch"]: row} if row.get("partial") else {})
 
-    Rank 0 alone reads the checkpoint and prepares the folder (make_out_dir: the refusal, --overwrite's deletions,
-    leftovers); every rank gets the same settings, or the same error, from it through `share(value)` (rank 0's value
-    on every rank; default: torch.distributed's broadcast when a group of several processes is up), so that hosts
-    without a shared disk agree. Call it once the processes can talk, before anything reads the settings."""
-    import torch.distributed as dist
 
-    if share is None and dist.is_initialized() and dist.get_world_size() > 1:
-        share = lambda value: (dist.broadcast_object_list(box := [value], src=0), box[0])[1]  # noqa: E731
-    verdict = None
-    if rank() == 0:
-        try:
-            verdict = ("settings", _settings_to_continue(args))
-            make_out_dir(args.out_dir, args.resume, args.overwrite)
-        except UserError as error:
-            verdict = ("error", str(error))
-    kind, value = share(verdict) if share else verdict
-    if kind == "error":
-        raise UserError(value)
-    for name, setting in value.items():
-        setattr(args, name, setting)
+def _steps_per_epoch(state):
+    """Optimizer steps per epoch of the run that wrote `state` (None where it cannot tell)."""
+    row = state.get("metrics") or {}
+    if "of_steps" in row or "steps" in row:
+        return row.get("of_steps", row.get("steps"))
+    return state["global_step"] // state["epoch"] if state["epoch"] else None
+
+
+def _by_progress(state, steps_then, steps_now):
+    """Where a run with steps_now steps per epoch stands after the checkpoint's progress: its epochs done (and
+    the done fraction of a part-way epoch), not its raw step count, which counts another batch arithmetic."""
+    if steps_then is None or steps_now is None or steps_then == steps_now:
+        return state["global_step"]
+    row = state.get("metrics") or {}
+    part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
+    step = state["epoch"] * steps_now + part
+    if rank() == 0 and state.get("processes", processes()) == processes():  # else settings() said it
+        print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
+              f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
+              f"not at the checkpoint's step {state['global_step']}")
+    return step
+
+
+class Settings:
+    """What settings() found: the settings to take, or the error to stop with; apply(args) does either."""
+
+    def __init__(self, values=None, error=None):
+        self.values, self.error = values or {}, error
+
+    def apply(self, args):
+        if self.error:
+            raise UserError(self.error)
+        for name, value in self.values.items():
+            setattr(args, name, value)
+
+
+def settings(args):
+    """Make --out-dir this run's (the refusal, --overwrite's deletions, leftovers), and with --resume find the settings
+    of the run it continues: every setting not typed on the command line (args.given) comes from the checkpoint, so
+    `--resume auto` alone continues it. Reads files: in a job of several processes, rank 0 calls it and shares the
+    result, so that hosts without a shared disk agree. Returns Settings; apply(args) on every rank."""
+    try:
+        values = _settings_to_continue(args)
+        make_out_dir(args.out_dir, args.resume, args.overwrite)
+        return Settings(values)
+    except UserError as error:
+        return Settings(error=str(error))
 
 
 def _settings_to_continue(args):
-    """{setting: value} of the checkpoint's run that this run takes (none typed on its command line); a typed --arch
-    that differs stops. A new number of processes is announced with the global batch before and after. A folder of
-    DeepSpeed's or FSDP's own checkpoints: the settings of the checkpoint-epochNNNN.pt beside it (export_of)."""
+    """{setting: value} of the checkpoint's run that this run takes; a typed --arch that differs stops. A new number of
+    processes is announced with the global batch before and after. A folder of DeepSpeed's or FSDP's own checkpoints:
+    the settings of the checkpoint-epochNNNN.pt beside it."""
     if not args.resume or (args.resume == "auto" and args.overwrite):  # nothing to continue, or a new start
         return {}
-    found = list_checkpoints(args.out_dir) if args.resume == "auto" else [export_of(args.resume)]
+    found = list_checkpoints(args.out_dir) if args.resume == "auto" else [_export_of(args.resume)]
     for path in found:
         if path is not None:
             try:
@@ -251,12 +295,12 @@ def _settings_to_continue(args):
                 if args.resume != "auto":
                     raise
     else:
-        return {}  # nothing to continue: find_resume says so, or which files it skipped
+        return {}  # nothing to continue: resume() says so, or which files it skipped
     if "arch" in args.given and args.arch != state["arch"]:
         raise UserError(f"--arch {args.arch} contradicts {path}, which holds a {state['arch']} model: "
                         f"drop --arch to continue it, or start a new run in another --out-dir")
-    settings = {name: value for name, value in {**state.get("args", {}), "arch": state["arch"]}.items()
-                if name not in args.given and name not in OWN_SETTINGS and hasattr(args, name)}
+    values = {name: value for name, value in {**state.get("args", {}), "arch": state["arch"]}.items()
+              if name not in args.given and name not in OWN_SETTINGS and hasattr(args, name)}
     saved_epochs = state.get("args", {}).get("epochs")
     if "epochs" in args.given and saved_epochs and args.epochs != saved_epochs:
         print(f"note: --epochs {args.epochs}, the checkpoint's run had {saved_epochs}: the learning-rate schedule is "
@@ -265,90 +309,27 @@ def _settings_to_continue(args):
     if before and before != now:
         saved = state.get("args", {})
         batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
-        batch_now = settings.get("batch_size", args.batch_size) * now * settings.get("grad_accum", args.grad_accum)
+        batch_now = values.get("batch_size", args.batch_size) * now * values.get("grad_accum", args.grad_accum)
         print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
               f"this one has {now} (global batch {batch_now}): "
               + ("the learning-rate schedule continues by progress (epochs done), not by step count"
                  if batch_then != batch_now else "the same global batch, the learning-rate schedule goes on as it was"))
-    return settings
+    return values
 
 
-def export_of(resume):
+def _export_of(resume):
     """--resume PATH: that file; for a folder of DeepSpeed's or FSDP's own checkpoints (ds_checkpoints/ or dcp/, or one
     epochNNNN folder in it) the checkpoint-epochNNNN.pt that 05 and 08 write beside it (None if there is none)."""
     if not os.path.isdir(resume):
         return resume
     folder = os.path.abspath(resume)
     if TAG.fullmatch(os.path.basename(folder)):
-        tag, out_dir = os.path.basename(folder), os.path.dirname(os.path.dirname(folder))
+        name, out_dir = os.path.basename(folder), os.path.dirname(os.path.dirname(folder))
     else:
         names = sorted(n for n in os.listdir(folder) if TAG.fullmatch(n))
-        tag, out_dir = (names[-1] if names else None), os.path.dirname(folder)
-    path = os.path.join(out_dir, f"checkpoint-{tag}.pt")
-    return path if tag and os.path.isfile(path) else None
-
-
-def describe(state):
-    """'epoch 3 (written by X)', or 'step 150 of 390 in epoch 4 (written by X)' for a part-way checkpoint."""
-    row = state.get("metrics") or {}
-    where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}" if row.get("partial")
-             else f"epoch {state['epoch']}")
-    return f"{where} (written by {state.get('step', 'an earlier run')})"
-
-
-def place_schedule(scheduler, step):
-    """Put a LambdaLR where it would be after `step` steps, without stepping it."""
-    scheduler.last_epoch = step
-    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base_lr * factor(step)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-
-
-def restore(state, *, model, optimizer=None, scheduler=None, scaler=None):
-    """Load a checkpoint's states into the given objects and the RNGs; returns (epoch, global_step)."""
-    global_step = state["global_step"]
-    try:
-        if model is not None:  # None: the caller loads the weights itself (FSDP's shards)
-            model.load_state_dict(state["model"])
-        if optimizer is not None and state["optimizer"] is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
-        steps_then = steps_per_epoch(state)
-        if scheduler is not None and state["scheduler"] is not None and steps_then in (None, steps_now):
-            scheduler.load_state_dict(state["scheduler"])
-        elif scheduler is not None:  # other batch arithmetic, or no schedule saved (a DeepSpeed export)
-            global_step = by_progress(state, steps_then, steps_now)
-            place_schedule(scheduler, global_step)
-        if scaler is not None and state["scaler"]:  # {} = saved by a disabled (bf16/fp32) scaler
-            scaler.load_state_dict(state["scaler"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise UserError(f"the checkpoint does not fit this model/optimizer ({brief(str(error).splitlines()[0])}); "
-                        "check --arch and that it was written by this collection") from None
-    restore_rng(state["rng"])
-    return state["epoch"], global_step
-
-
-def steps_per_epoch(state):
-    """Optimizer steps per epoch of the run that wrote `state` (None where it cannot tell)."""
-    row = state.get("metrics") or {}
-    if "of_steps" in row or "steps" in row:
-        return row.get("of_steps", row.get("steps"))
-    return state["global_step"] // state["epoch"] if state["epoch"] else None
-
-
-def by_progress(state, steps_then, steps_now):
-    """Where a run with steps_now steps per epoch stands after the checkpoint's progress: its epochs done (and
-    the done fraction of a part-way epoch), not its raw step count, which counts another batch arithmetic."""
-    if steps_then is None or steps_now is None or steps_then == steps_now:
-        return state["global_step"]
-    row = state.get("metrics") or {}
-    part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
-    step = state["epoch"] * steps_now + part
-    if rank() == 0 and state.get("processes", processes()) == processes():  # else continue_run() said it
-        print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
-              f"learning-rate schedule continues by progress, at step {step} (epochs done: {state['epoch']}), "
-              f"not at the checkpoint's step {state['global_step']}")
-    return step
+        name, out_dir = (names[-1] if names else None), os.path.dirname(folder)
+    path = os.path.join(out_dir, f"checkpoint-{name}.pt")
+    return path if name and os.path.isfile(path) else None
 
 
 def weights_digest(model_state):
@@ -380,9 +361,9 @@ def earlier_run(out_dir):
 
 
 def make_out_dir(out_dir, resume=None, overwrite=False):
-    """Check that --out-dir can be written before any training time is spent (rank 0 alone: continue_run). A
-    run owns its folder: one that holds another run's checkpoints is refused (with the fix) unless this run continues
-    it (--resume auto, or --resume of its newest checkpoint) or replaces it (--overwrite)."""
+    """Check that --out-dir can be written before any training time is spent. A run owns its folder: one that holds
+    another run's checkpoints is refused (with the fix) unless this run continues it (--resume auto, or --resume of its
+    newest checkpoint) or replaces it (--overwrite)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
     held = earlier_run(out_dir) if os.path.isdir(out_dir) else []

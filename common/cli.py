@@ -1,4 +1,5 @@
-"""Command-line helpers shared by every step: the shared flags, argument types and the one-line error contract."""
+"""The command line every step shares: its flags, argument types, the precision --amp picks, and the error contract
+(one line, exit status 2, never a traceback) with an exit that cannot hang."""
 import argparse
 import contextlib
 import functools
@@ -11,17 +12,16 @@ import traceback
 
 
 class UserError(Exception):
-    """A problem the user can fix. Printed as one line (with the fix), exit status 2."""
+    """A problem the user can fix. Printed as one line (with the fix), exit status 2. A step says the same with
+    sys.exit("what is wrong: the fix")."""
 
 
-# Exception types that mean "another rank failed" (a collective lost its peer), added by the steps' libraries, and
-# what torch.distributed's RuntimeErrors say when a peer process is gone (gloo, NCCL).
-PEER_FAILURES = []
+# What a collective's failure says when a peer process is gone (gloo, NCCL; Horovod's exception), when a group cannot
+# form, and when a collective waited past --dist-timeout (gloo; NCCL's watchdog ends the process itself).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
-             "NCCL communicator was aborted")
-CONNECT_FAILED = "connectFullMesh failed"  # gloo, while the group forms: a peer is gone or cannot be reached
-TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")  # gloo's collectives past --dist-timeout; NCCL's
-# watchdog ends the process itself (docs/debugging.md)
+             "NCCL communicator was aborted", "HorovodInternalError")
+CONNECT_FAILED = "connectFullMesh failed"
+TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")
 
 
 def brief(text, width=200):
@@ -32,68 +32,52 @@ def brief(text, width=200):
 
 
 def rank():
-    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK, or Open MPI's under its MPI
-    controller); 0 without a launcher."""
+    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK, or Open MPI's); 0 without one."""
     return int(next((os.environ[k] for k in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), 0))
 
 
 def processes():
-    """Processes of this job as its launcher set them (WORLD_SIZE; horovodrun: HOROVOD_SIZE, or Open MPI's under
-    its MPI controller); 1 without one."""
+    """Processes of this job as its launcher set them (WORLD_SIZE, HOROVOD_SIZE or Open MPI's); 1 without one."""
     return int(next((os.environ[k] for k in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE")
                      if k in os.environ), 1))
 
 
-def _whole_number(text, minimum, rule):
+def _number(text, kind, check, rule):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise _arg_error(f"expected a whole number, got {text!r}") from None
-    if value < minimum:
-        raise _arg_error(f"must be {rule}, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {'whole ' * (kind is int)}number, got {text!r}") from None
+    if not check(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
     return value
 
 
 def positive_int(text):
-    return _whole_number(text, 1, "positive")
+    return _number(text, int, lambda value: value >= 1, "positive")
 
 
 def non_negative_int(text):
-    return _whole_number(text, 0, "0 or more")
+    return _number(text, int, lambda value: value >= 0, "0 or more")
 
 
 def positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise _arg_error(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise _arg_error(f"must be a positive finite number, got {text}")
-    return value
-
-
-def _arg_error(message):
-    return argparse.ArgumentTypeError(message)
+    return _number(text, float, lambda value: 0 < value < float("inf"), "a positive finite number")
 
 
 class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """Parse, and note which options were typed (`given`): --resume takes the others from the checkpoint's run
-        (checkpoint.continue_run, once the processes can share what rank 0 reads). Parsing reads no file."""
+        (checkpoint.settings). Parsing reads no file."""
         parsed = super().parse_args(args, namespace)
-        parsed.given = frozenset(self._given(args))
-        return parsed
-
-    def _given(self, args):
-        """The dests of the options on the command line (parsed again with every default suppressed)."""
         defaults = {action: action.default for action in self._actions}
-        try:
+        try:  # parsed again with every default suppressed: what is left was typed
             for action in self._actions:
                 action.default = argparse.SUPPRESS
-            return set(vars(super().parse_known_args(args)[0]))
+            parsed.given = frozenset(vars(super().parse_known_args(args)[0]))
         finally:
             for action, default in defaults.items():
                 action.default = default
+        return parsed
 
     def error(self, message):
         """Usage and the error once per job: under a launcher every rank parses the same arguments; rank 0 says it."""
@@ -106,53 +90,47 @@ class _Parser(argparse.ArgumentParser):
 
 
 def shared_parser(description, step, archs):
-    """The flags every step shares (the README's "Shared flags"); a step adds the flags of its method. archs: the
-    script's --arch choices (the first is the default)."""
+    """The flags every step shares (the README's "One command line for every step"); a step adds its method's.
+    archs: the script's --arch choices (the first is the default)."""
     parser = _Parser(description=description)
-    parser.add_argument("--data-dir", default="./data",
-                        help="where build_data finds the data (CIFAR-10: the folder holding cifar-10-batches-py/, "
-                             "downloaded if missing; default ./data)")
-    parser.add_argument("--out-dir", default=f"runs/{step}",
-                        help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{step})")
-    parser.add_argument("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
-    parser.add_argument("--batch-size", type=positive_int, default=128,
-                        help="images per forward pass of one process; global batch = this x processes x "
-                             "--grad-accum (default 128)")
-    parser.add_argument("--grad-accum", type=positive_int, default=1,
-                        help="forward/backward passes per optimizer step (gradient accumulation; default 1)")
-    parser.add_argument("--lr", type=positive_float, default=0.1,
-                        help="peak learning rate of SGD for the global batch (default 0.1)")
-    parser.add_argument("--arch", choices=list(archs), default=next(iter(archs)),
-                        help=f"the model: {' or '.join(archs)} (default {next(iter(archs))})")
-    parser.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
-                        help="mixed precision: auto = bf16 on the CPU and on GPUs with native bf16 (Ampere on), fp16 on older GPUs; "
-                             "off = fp32 (default auto)")
-    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                        help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model (the first epoch pays a one-time compile, 30-60 s on CPU)")
-    parser.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
-    parser.add_argument("--resume", metavar="PATH|auto",
-                        help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the run already in --out-dir (its checkpoints and metrics) instead of refusing")
-    parser.add_argument("--stop-after", type=positive_int, metavar="N",
-                        help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
-    parser.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
-                        help="trace N optimizer steps with torch.profiler (from the 4th step on) into --out-dir "
-                             "(profile-rankR.json) and print each rank's shares of compute, communication and data "
-                             "(docs/debugging.md)")
+    add = parser.add_argument
+    add("--data-dir", default="./data", help="where build_data finds the data (CIFAR-10: the folder holding "
+                                             "cifar-10-batches-py/, downloaded if missing; default ./data)")
+    add("--out-dir", default=f"runs/{step}", help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{step})")
+    add("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
+    add("--batch-size", type=positive_int, default=128,
+        help="images per forward pass of one process; global batch = this x processes x --grad-accum (default 128)")
+    add("--grad-accum", type=positive_int, default=1, help="forward/backward passes per optimizer step (default 1)")
+    add("--lr", type=positive_float, default=0.1, help="peak learning rate of SGD for the global batch (default 0.1)")
+    add("--arch", choices=list(archs), default=next(iter(archs)),
+        help=f"the model: {' or '.join(archs)} (default {next(iter(archs))})")
+    add("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
+        help="mixed precision: auto = what the hardware computes natively (bf16 where it can, else fp32 on a CPU and "
+             "fp16 on older GPUs); off = fp32 (default auto)")
+    add("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+        help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
+    add("--compile", action="store_true", help="torch.compile the model (the first epoch pays a one-time compile)")
+    add("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
+    add("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
+    add("--resume", metavar="PATH|auto",
+        help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
+    add("--overwrite", action="store_true",
+        help="replace the run already in --out-dir (its checkpoints and metrics) instead of refusing")
+    add("--stop-after", type=positive_int, metavar="N",
+        help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
+    add("--profile", type=non_negative_int, default=0, metavar="N",
+        help="trace N optimizer steps with torch.profiler (from the 4th on) into --out-dir (profile-rankR.json) and "
+             "print each rank's shares of compute, communication and data (docs/debugging.md)")
     return parser
 
 
 def exits_cleanly(main):
-    """Turn a UserError, and a collective that timed out, into one line on stderr and exit status 2, never a traceback.
+    """Turn a UserError, sys.exit("message"), and a collective that timed out or lost its peer into one line on stderr
+    and exit status 2, never a traceback; and bound the process's exit (bound_the_exit).
 
-    Under a launcher every rank prints its own line, prefixed with its rank, so the launcher's
-    log says which process gave up and why. Under torchrun the line also goes into the error file it
-    names (TORCHELASTIC_ERROR_FILE), so that its closing summary shows it instead of `<N/A>`.
-    """
+    Under a launcher every rank prints its own line, prefixed with its rank, so the launcher's log says which process
+    gave up and why. Under torchrun the line also goes into the error file it names (TORCHELASTIC_ERROR_FILE), so that
+    its closing summary shows it instead of `<N/A>`."""
 
     def leave(line, consequence=False):
         print(line, file=sys.stderr, flush=True)
@@ -172,20 +150,30 @@ def exits_cleanly(main):
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         bound_the_exit()
+        share_the_cores()
         try:
             return main(*args, **kwargs)
+        except SystemExit as error:
+            if not isinstance(error.code, str):
+                raise
+            status = leave(f"{prefix()}error: {error.code}")
         except UserError as error:
             status = leave(f"{prefix()}error: {error}")
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:  # a path given
+            status = leave(f"{prefix()}error: {error.filename}: {error.strerror}: check the path")
         except Exception as error:
-            if any(text in str(error) for text in TIMED_OUT):
+            text = f"{type(error).__name__}: {error}"
+            if any(needle in text for needle in TIMED_OUT):
                 cause = re.sub(r"^\[\S+:\d+\] ", "", str(error).splitlines()[0])  # gloo's: [source file:line] text
                 status = leave(f"{prefix()}error: a collective timed out ({brief(cause, 160)}): another rank is stuck "
                                "or skipped it; docs/debugging.md finds which")
-            elif CONNECT_FAILED in str(error):
+            elif type(error).__name__ == "JSONDecodeError":  # a file given to be read as JSON
+                status = leave(f"{prefix()}error: not valid JSON ({error}): check the JSON file you passed")
+            elif CONNECT_FAILED in text:
                 status = leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)})"
                                ": one stopped while the group formed, or the address is unreachable (see "
                                "troubleshooting)", consequence=True)
-            elif isinstance(error, tuple(PEER_FAILURES)) or any(text in str(error) for text in PEER_LOST):
+            elif any(needle in text for needle in PEER_LOST):
                 status = leave("stopping: another rank stopped, so the collectives shut down (its own error is above)",
                                consequence=True)
             else:  # a bug: its traceback, and exit 1 as Python would
@@ -198,6 +186,18 @@ def exits_cleanly(main):
         sys.exit(status)
 
     return wrapper
+
+
+def share_the_cores():
+    """Several processes on one machine share its cores: torch's threads per process, cores / local processes, where
+    the launcher did not say (torchrun sets OMP_NUM_THREADS=1; deepspeed and horovodrun set nothing, and N processes
+    with a thread per core each run ~10x slower on a CPU). OMP_NUM_THREADS overrides it."""
+    local = int(next((os.environ[k] for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE")
+                      if k in os.environ), 1))
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 EXIT_WAIT = 30  # seconds the interpreter's exit may take (its threads and exit handlers) before it counts as a hang

@@ -1,4 +1,5 @@
-"""metrics.jsonl (one JSON object per epoch), console lines, the training-curve PNG, and --profile's trace."""
+"""What a run reports: Log (metrics.jsonl, the console's lines, the training-curve PNG, every rank's weight digest) and
+Meter (one rank's figures of an epoch's loop: its timing, and --profile's trace)."""
 import contextlib
 import json
 import os
@@ -7,36 +8,64 @@ import statistics
 import sys
 import time
 
-FILE = "metrics.jsonl"
-PLOT = "training_curves.png"
+import torch
+
+from .cli import amp_choice, processes, rank
+
+FILE, PLOT = "metrics.jsonl", "training_curves.png"
+_PRECISION = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}
 
 
-class MetricsLog:
-    """Appends one row per epoch to out_dir/metrics.jsonl.
+class Log:
+    """The run's record; rank 0 writes it. metrics.jsonl holds one row per finished epoch: a resumed run keeps the
+    rows up to the epoch it resumes from and drops later ones (written after that checkpoint by the run that crashed),
+    so the file always matches the weights; the resumed epoch's row, lost if the run was killed between its checkpoint
+    and its row, comes back from that checkpoint."""
 
-    A resumed run keeps the rows up to the epoch it resumes from and drops later ones (written
-    after that checkpoint by the run that crashed), so the file always matches the weights. The
-    resumed epoch's row, lost if the run was killed between its checkpoint and its row, comes back
-    from that checkpoint (which holds it).
-    """
+    def __init__(self, step, args, start_epoch, info):
+        self.step, self.args, self.info, self.path = step, args, info, os.path.join(args.out_dir, FILE)
+        if rank() == 0:
+            rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
+            if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
+                rows += _row_of_checkpoint(args.out_dir, start_epoch)
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
 
-    def __init__(self, out_dir, start_epoch=0, synthetic=False):
-        self.path = os.path.join(out_dir, FILE)
-        self.synthetic = synthetic
-        rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
-        if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
-            rows += _row_of_checkpoint(out_dir, start_epoch)
-        os.makedirs(out_dir, exist_ok=True)
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    def start(self, device, precision, loader, prefix=""):
+        """The run's first line: model, devices, precision (what --amp auto chose, and why), batch arithmetic, data."""
+        args, world = self.args, processes()
+        if not isinstance(precision, str):
+            why = amp_choice(args.amp, device)[1]
+            precision = _PRECISION[str(precision)] + (f" ({why})" if why != "as asked" else "")
+        batch = (f"batch {args.batch_size} x {args.grad_accum} accumulation" if world == 1 else
+                 f"batch {args.batch_size} per process x {world} processes x {args.grad_accum} accumulation = "
+                 f"{args.batch_size * world * args.grad_accum} global")
+        where = device if world == 1 else f"{world} x {device.type}"
+        self._say(f"{self.step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, {len(loader.dataset)} "
+                  f"training images, {len(loader) // args.grad_accum} steps/epoch"
+                  + ("  [SYNTHETIC DATA, not CIFAR-10]" if self.info.synthetic else ""))
 
-    def append(self, row):
-        """Write a finished epoch's row; a part-way epoch's row (saved in its checkpoint instead) is not written."""
-        row = {**row, "synthetic": self.synthetic}
-        if not row.get("partial"):
+    def epoch(self, row):
+        """A finished epoch's row into metrics.jsonl (a part-way one is in its checkpoint instead), and its line."""
+        row = {**row, "synthetic": self.info.synthetic}
+        if rank() == 0 and not row.get("partial"):
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        return row
+        self._say(epoch_line(row, self.args.epochs))
+
+    def finish(self, model_state):
+        """The training curves (rank 0), and this rank's weights-rankN.sha256: equal files = equal states."""
+        from .checkpoint import write_digest
+
+        if rank() == 0:
+            world = processes()
+            plot(self.args.out_dir, f"{self.step} ({self.args.arch}" + (f", {world} processes)" if world > 1 else ")"))
+        write_digest(self.args.out_dir, rank(), model_state)
+
+    def _say(self, line):
+        if rank() == 0:
+            print(line, flush=True)
 
 
 def _row_of_checkpoint(out_dir, epoch):
@@ -57,44 +86,6 @@ def read(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-_PRECISION = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}
-
-
-def start_line(step, args, device, precision, train_loader, synthetic, processes=None, prefix=""):
-    """The run's first line: model, devices, precision, batch arithmetic, data. `processes` None: one process."""
-    steps, images = len(train_loader) // args.grad_accum, len(train_loader.dataset)
-    if not isinstance(precision, str):  # say what auto chose and why, or that bf16 is emulated here
-        from .cli import amp_choice
-
-        why = amp_choice(args.amp, device)[1]
-        precision = _PRECISION[str(precision)] + (f" ({why})" if why != "as asked" else "")
-    if processes is None:
-        batch = f"batch {args.batch_size} x {args.grad_accum} accumulation"
-        where = device
-    else:
-        batch = (f"batch {args.batch_size} per process x {processes} process{'es' * (processes != 1)} x "
-                 f"{args.grad_accum} accumulation = "
-                 f"{args.batch_size * processes * args.grad_accum} global")
-        where = f"{processes} x {device.type}"
-    return (f"{step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, {images} training images, "
-            f"{steps} steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if synthetic else ""))
-
-
-def train_row(totals, batches):
-    """The training half of an epoch's row from totals = (loss sum, images) and that epoch's preempt.Batches (when it
-    started, steps done of how many). Fewer steps than the epoch has: it stopped part-way ("partial"). The row a
-    stopped run saved for the start of this epoch is merged in, so that the epoch's loss covers all of it. Several
-    processes: "ranks" holds each rank's timing of this run's part of the epoch (preempt.Batches.timings)."""
-    part = batches.part or {}
-    loss_sum, seen = totals.tolist()
-    loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
-    seconds = time.perf_counter() - batches.start + part.get("epoch_seconds", 0.0)
-    row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
-           "peak_memory_mb": max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0)),
-           "steps": batches.steps, "images": int(seen), **({"ranks": batches.ranks} if batches.ranks else {})}
-    return {**row, "partial": True, "of_steps": batches.of_steps} if batches.steps < batches.of_steps else row
 
 
 def epoch_line(row, epochs):
@@ -159,11 +150,9 @@ def plot(out_dir, title):
 
 
 def peak_memory_mb(device):
-    """Peak memory of this process so far: the accelerator's allocator peak on a GPU, else the peak
-    resident set size (which includes the Python interpreter and libraries). On Linux that is VmHWM: ru_maxrss
-    survives exec, so a process started from a large parent (a notebook, a benchmark) would report the parent's."""
-    import torch
-
+    """Peak memory of this process so far: the accelerator's allocator peak on a GPU, else the peak resident set size
+    (which includes the Python interpreter and libraries). On Linux that is VmHWM: ru_maxrss survives exec, so a
+    process started from a large parent (a notebook, a benchmark) would report the parent's."""
     if device.type != "cpu":
         with contextlib.suppress(RuntimeError, NotImplementedError):  # an accelerator without memory statistics
             return torch.accelerator.max_memory_allocated(device) / 2**20
@@ -176,80 +165,113 @@ def peak_memory_mb(device):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-# Events of a collective in a torch.profiler trace: gloo's and NCCL's own spans (the time the collective was in flight,
-# waiting for the other ranks included), c10d's operators, Horovod's.
-COLLECTIVE = re.compile(r"gloo:|nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|horovod", re.I)
-PROFILE_AFTER = 3  # optimizer steps before the trace: DDP regroups its buckets after the first, caches settle
+ARRIVALS_FROM = 1.7e9  # arrival times count from here (2023-11), not 1970: sums of them keep their precision
+PROFILE_AFTER = 3  # optimizer steps before --profile's trace: DDP regroups its buckets after the first, caches settle
 
 
-class Profile:
-    """--profile N: a torch.profiler trace of N optimizer steps (from step PROFILE_AFTER + 1 of the run), written to
-    out_dir/profile-rankR.json (open it in https://ui.perfetto.dev or chrome://tracing), and a line per rank that says
-    where the steps' time went (docs/debugging.md): compute (the operators of the training loop's thread),
-    communication (a collective in flight while that thread computes nothing: waiting for the other ranks), data
-    (waiting for the next batch: the DATA spans) and other (Python, and whatever else held the rank up).
-    preempt.Batches calls step() as each optimizer step begins, wraps each wait for a batch in data() and calls
-    finish() when the epoch ends or stops: the loop does not change. On a GPU the operators are launched
-    asynchronously: there the shares are the host's; the trace's GPU rows show the kernels and NCCL's."""
+class Meter:
+    """One rank's figures of each epoch's loop, for its row of metrics.jsonl. The loop calls batch_in_hand() as each
+    batch arrives and batch_done() after its pass: the time between is the loop's, the time before is spent waiting
+    for the batch (data_s). Each optimizer step's last batch notes when it arrived (one clock for every rank), so that
+    the ranks' arrivals, gathered once per epoch (timing(), by a max over ranks that the step makes), say which rank
+    held the others up (wait_s). With --profile N it also traces optimizer steps PROFILE_AFTER + 1 to PROFILE_AFTER + N
+    of the run with torch.profiler into --out-dir/profile-rankR.json and says where their time went (docs/debugging.md).
+    """
 
-    DATA = "Batches: waiting for data"
+    def __init__(self, args, steps_per_epoch):
+        self.grad_accum, self.of_steps, self.out_dir = args.grad_accum, steps_per_epoch, args.out_dir
+        self.profile_steps, self.optimizer_steps, self.profiler = args.profile, 0, None
 
-    def __init__(self, args):
-        self.steps, self.out_dir, self.count, self.profiler = args.profile, args.out_dir, 0, None
+    def start(self, part, skipped):
+        """An epoch begins; `part`: the row a stopped run saved for it, whose `skipped` steps this run does not do."""
+        self.part, self.skipped, self.passes, self.data_seconds, self.arrivals = part or {}, skipped, 0, 0.0, []
+        self.begin = self.ready = time.perf_counter()
 
-    def __bool__(self):
-        """Something left to do: without --profile, or once its trace is written, Batches leaves it alone."""
-        return bool(self.steps or self.profiler)
+    def batch_in_hand(self):
+        now = time.perf_counter()
+        self.data_seconds += now - self.ready
+        if self.passes % self.grad_accum == 0:  # an optimizer step begins
+            self._profile_step()
+        if self.passes % self.grad_accum == self.grad_accum - 1:  # the pass whose backward meets the other ranks
+            self.arrivals.append(time.time() - ARRIVALS_FROM)
+        self.passes += 1
 
-    def step(self):
-        """An optimizer step begins."""
-        self.count += 1
-        if self.steps and self.count == PROFILE_AFTER + 1:
+    def batch_done(self):
+        self.ready = time.perf_counter()
+
+    def timing(self):
+        """This rank's timing of the epoch in its own slots of a vector that a max over ranks (collective) fills with
+        every rank's: each step's last arrival, then (train_s, data_s, the sum of its arrivals) per rank."""
+        steps, world, me = len(self.arrivals), processes(), len(self.arrivals) + 3 * rank()
+        row = torch.zeros(steps + 3 * world, dtype=torch.float64)
+        row[:steps] = torch.tensor(self.arrivals, dtype=torch.float64)
+        row[me:me + 3] = torch.tensor([time.perf_counter() - self.begin, self.data_seconds, sum(self.arrivals)],
+                                      dtype=torch.float64)
+        return row
+
+    def row(self, totals, timing=None):
+        """The training half of the epoch's row from totals = (loss sum, images) summed over ranks and `timing`
+        gathered (None: one process). Fewer steps than the epoch has: it stopped part-way ("partial"). The part a
+        stopped run saved is merged in, so that the epoch's loss covers all of it."""
+        self._profile_stop()
+        part, steps = self.part, self.skipped + self.passes // self.grad_accum
+        loss_sum, seen = totals.tolist()
+        loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
+        seconds = time.perf_counter() - self.begin + part.get("epoch_seconds", 0.0)
+        row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds, "epoch_seconds": seconds,
+               "peak_memory_mb": max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0)),
+               "steps": steps, "images": int(seen)}
+        if timing is not None:
+            done = len(self.arrivals)
+            last, world = timing[:done].sum().item(), processes()
+            train, data, arrived = timing[done:].view(world, 3).T.tolist()
+            row["ranks"] = {name: [round(seconds, 3) for seconds in values] for name, values in (
+                ("train_s", train), ("data_s", data), ("wait_s", [max(0.0, last - mine) for mine in arrived]))}
+        return {**row, "partial": True, "of_steps": self.of_steps} if steps < self.of_steps else row
+
+    def _profile_step(self):
+        self.optimizer_steps += 1
+        if self.profile_steps and self.optimizer_steps == PROFILE_AFTER + 1:
             import torch.profiler as tp
 
-            activities = tp.supported_activities() if _accelerator_in_use() else [tp.ProfilerActivity.CPU]
-            self.profiler, self.start = tp.profile(activities=activities), time.perf_counter()
+            accelerator = torch.accelerator.is_available() and getattr(torch.get_device_module(), "is_initialized",
+                                                                        bool)()
+            self.profiler = tp.profile(activities=tp.supported_activities() if accelerator else
+                                       [tp.ProfilerActivity.CPU])
             self.profiler.__enter__()
-        elif self.profiler and self.count == PROFILE_AFTER + 1 + self.steps:
-            self.finish(this_step_ran=False)
+            self.traced, self.profile_begin = 0, time.perf_counter()
+        elif self.profiler:
+            self.traced += 1
+            if self.traced == self.profile_steps:
+                self._profile_stop(steps=self.traced)
 
-    def data(self):
-        """A context around the loop's wait for its next batch: a DATA span in the trace."""
-        import contextlib
-
-        import torch.profiler as tp
-
-        return tp.record_function(self.DATA) if self.profiler else contextlib.nullcontext()
-
-    def finish(self, this_step_ran=True):
+    def _profile_stop(self, steps=None):
         """Stop the trace (as step N + 1 begins, or when the epoch ends or stops first), write it, say the shares."""
         if not self.profiler:
             return
-        from .cli import rank
-
-        seconds, profiler = time.perf_counter() - self.start, self.profiler
-        steps = self.count - PROFILE_AFTER - (0 if this_step_ran else 1)
+        seconds, profiler, steps = time.perf_counter() - self.profile_begin, self.profiler, steps or self.traced + 1
         profiler.__exit__(None, None, None)
-        self.profiler, self.steps = None, 0  # once per run
+        self.profiler, self.profile_steps = None, 0  # once per run
         path = os.path.join(self.out_dir, f"profile-rank{rank()}.json")
         profiler.export_chrome_trace(path)
-        shares = {name: part / seconds for name, part in _shares(profiler.events(), self.DATA).items()}
+        shares = {name: part / seconds for name, part in _shares(profiler.events()).items()}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-        print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / max(steps, 1):.1f} ms each: "
+        print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / steps:.1f} ms each: "
               + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})",
               flush=True)
 
 
-def _accelerator_in_use():
-    import torch
+# Events of a collective in a torch.profiler trace: gloo's and NCCL's own spans (the time the collective was in flight,
+# waiting for the other ranks included), c10d's operators, Horovod's. DATA: the DataLoader's wait for a batch.
+COLLECTIVE = re.compile(r"gloo:|nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|horovod", re.I)
+DATA = "enumerate(DataLoader)#"
 
-    return torch.accelerator.is_available() and getattr(torch.get_device_module(), "is_initialized", bool)()
 
-
-def _shares(events, data_name):
-    """{compute, communication, data}: seconds of a trace. data: the loop's DATA spans. compute: its thread's
-    operators (aten::, or a torch.compile'd region), outside them. communication: a collective in flight on any
-    thread (gloo's run on threads of their own) while that thread computes nothing and waits for no data."""
+def _shares(events):
+    """{compute, communication, data}: seconds of a trace. data: the loop's waits for its batches (the DataLoader's
+    own spans). compute: its thread's operators (aten::, or a torch.compile'd region), outside them. communication: a
+    collective in flight on any thread (gloo's run on threads of their own) while that thread computes nothing and
+    waits for no data."""
     from collections import Counter
 
     main = next((e.thread for e in events if e.name.startswith("Optimizer.step")),  # the training loop's thread
@@ -260,7 +282,7 @@ def _shares(events, data_name):
         return _union([(e.time_range.start, e.time_range.end) for e in cpu
                        if keep(e) and e.time_range.end >= e.time_range.start])
 
-    data = spans(lambda e: e.thread == main and e.name == data_name)
+    data = spans(lambda e: e.thread == main and e.name.startswith(DATA))
     compute = spans(lambda e: e.thread == main and e.name.startswith(("aten::", "Torch-Compiled Region"))
                     and not COLLECTIVE.search(e.name))
     talk = spans(lambda e: COLLECTIVE.search(e.name))
@@ -287,8 +309,7 @@ def _length(spans):
 
 def _overlap(a, b):
     """Time two lists of disjoint, sorted spans share (one pass over both)."""
-    i = j = 0
-    total = 0
+    i = j = total = 0
     while i < len(a) and j < len(b):
         total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
         if a[i][1] < b[j][1]:

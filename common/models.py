@@ -94,3 +94,6 @@ def resnet18(*, num_classes, mean, std):
 
 def cnn(*, num_classes, mean, std):
     return SmallCNN(num_classes, mean, std)
+
+
+ARCHS = {"resnet18": resnet18, "cnn": cnn}  # the --arch choices of the numbered scripts (the first is the default)

@@ -5,7 +5,7 @@
     python scripts/benchmark.py --gpu            # this machine's GPUs (--nproc: their count); 01 stays on the CPU
 
 It writes results.md (table, hardware, versions, command), results.json (null where not measured, never 0), runs/
-(each run's out-dir and log) and data/ to --out-dir. Each step starts as the README starts it (common/launchers.py)
+(each run's out-dir and log) and data/ to --out-dir. Each step starts as the README starts it (scripts/launchers.py)
 and does the same work as the others of its model: data, global batch, lr, epochs, seed, precision, total threads
 (1 process: the batch and all cores; N: batch/N and cores/N each). Every configuration runs --repeats times, the
 repeats interleaved (all configurations once, then again) so that a drift of the machine hits every step alike; the
@@ -32,14 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` lives at the repository root
 
-from common import data, launchers, metrics  # noqa: E402
+import launchers  # noqa: E402
+from common import data, metrics  # noqa: E402
 from common.cli import UserError, exits_cleanly, non_negative_int, positive_float, positive_int  # noqa: E402
-from common.launchers import BIN, REPO  # noqa: E402
+from launchers import BIN, REPO  # noqa: E402
 from common.synthetic import write_synthetic_cifar10  # noqa: E402
 
 NOTE = ("SYNTHETIC DATA (common.synthetic, textures): test accuracy and loss are not CIFAR-10 figures; "
         "throughput does not depend on the pixel values")
-Step = collections.namedtuple("Step", "number launcher multi_process library")  # launcher: common.launchers'
+Step = collections.namedtuple("Step", "number launcher multi_process library")  # launcher: launchers.py'
 # One row of the table: a step with its processes (None: --nproc) and its ZeRO stage (05; None: ds_config.json's).
 Config = collections.namedtuple("Config", "arch step nproc zero")
 MODELS = ["cnn", "resnet18"]  # the --arch choices of the numbered scripts that the benchmark runs

@@ -30,7 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `common` lives at the repository root
-from common import launchers, metrics  # noqa: E402 (neither imports torch: --dry-run needs none)
+import launchers  # noqa: E402
+from common import metrics  # noqa: E402
 
 DOC, RESULTS = REPO / "docs" / "benchmark-gpu.md", "## Results"
 LAUNCHER = {2: "python", 3: "python", 4: "torchrun", 5: "deepspeed", 6: "horovodrun", 7: "torchrun", 8: "torchrun"}
@@ -145,13 +146,18 @@ def compute_rate(flags, data, device):
     batches = (batches * 25)[:min(100, len(loader))]
     torch.backends.cudnn.benchmark = True  # as 02 does on a GPU
     dtype, model = step["amp_dtype"](args.amp, device), step["prepare_model"](args, step["build_model"](
-        args, info.num_classes), device)  # 02's own precision and model
+        args, info), device)  # 02's own precision and model
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, len(batches), device, dtype)
-    from common.preempt import Batches
     threads = torch.get_num_threads()
     torch.set_num_threads(int(launchers.env()["OMP_NUM_THREADS"]))  # as a run has
-    rates = [step["train_one_epoch"](model, Batches(batches, args.grad_accum, memory_format, None).epoch(1), optimizer,
-                                     scheduler, scaler, device, dtype)["images_per_sec"] for _ in range(3)]
+
+    def rate():  # one epoch of 02's loop over the batches on the device, no stop
+        meter = metrics.Meter(args, len(batches) // args.grad_accum)
+        meter.start(None, 0)
+        return step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, device, dtype,
+                                       types.SimpleNamespace(requested=lambda steps: False), meter)["images_per_sec"]
+
+    rates = [rate() for _ in range(3)]
     torch.set_num_threads(threads)
     return max(rates[1:])  # the first pays cuDNN's algorithm search and the allocator
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from common import launchers
-from common.launchers import BIN, PYTHON, REPO, env, free_port  # noqa: F401 (the tests import them from here)
+import launchers
+from launchers import BIN, PYTHON, REPO, env, free_port  # noqa: F401 (the tests import them from here)
 
 # Sizes chosen so that a 2-epoch run of the small model takes seconds and still learns; the
 # odd test size does not divide by 2 processes, which the exact-evaluation checks rely on.
@@ -81,7 +81,7 @@ def script(number):
 
 
 def run(cmd, timeout=300, check=True, **env_extra):
-    """Run a command from the repository root (common.launchers.run); with check=True fail the test (showing
+    """Run a command from the repository root (scripts/launchers.py run); with check=True fail the test (showing
     its output) unless it exits 0. Returns the CompletedProcess with .output = stdout+stderr."""
     proc = launchers.run(cmd, timeout, **env_extra)
     proc.output = proc.stdout
@@ -124,7 +124,7 @@ def as_typed(command, *appended):
 
 
 def launch_command(launcher, nproc, number):
-    """How the README starts script `number` with `nproc` processes under each launcher (common.launchers)."""
+    """How the README starts script `number` with `nproc` processes under each launcher (scripts/launchers.py)."""
     return launchers.launch_command(launcher, nproc, script(number))
 
 
@@ -352,11 +352,11 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     cpu = torch.device("cpu")
     train_set, test_set, info = step01["build_data"](args)
     train_loader, test_loader, _ = step01["build_loaders"](args, train_set, test_set)
-    model = step01["prepare_model"](args, step01["build_model"](args, info.num_classes), cpu)
+    model = step01["prepare_model"](args, step01["build_model"](args, info), cpu)
     optimizer, scheduler, scaler = step01["build_optimizer"](args, model, len(train_loader), cpu, None)
     epoch, _, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
     assert epoch == logged["epoch"]
-    evaluated = step01["evaluate"](model, test_loader, cpu, None, torch.contiguous_format)
+    evaluated = step01["evaluate"](args, model, test_loader, cpu, None)
     assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)
     assert evaluated["test_loss"] == pytest.approx(logged["test_loss"], rel=1e-4)
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -17,8 +19,8 @@ import sys, torch
 from common import checkpoint
 big = torch.randn(4_000_000)  # 16 MB: a save takes long enough to be killed in the middle
 for epoch in range(1, 1000):
-    checkpoint.atomic_save({"format": checkpoint.FORMAT, "arch": "cnn", "epoch": epoch, "model": {"w": big + epoch}},
-                           checkpoint.checkpoint_path(sys.argv[1], epoch))
+    checkpoint.save(sys.argv[1], step="test", arch="cnn", epoch=epoch, global_step=epoch, model_state={"w": big + epoch},
+                    keep=1000)
     print(epoch, flush=True)
 """
 
@@ -48,8 +50,7 @@ def test_resume_auto_skips_a_damaged_newest_file(tmp_path, capsys):
                         model_state=model.state_dict())
     with open(checkpoint.checkpoint_path(str(tmp_path), 2), "r+b") as f:
         f.truncate(100)  # e.g. a disk that filled up under a tool that did not write atomically
-    state = checkpoint.find_resume("auto", str(tmp_path), "cnn")
-    assert state["epoch"] == 1
+    assert checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"), model=model) == (1, 1, {})
     assert "skipping" in capsys.readouterr().err
 
 
@@ -92,6 +93,11 @@ def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
         checkpoint.load(path, "cnn")
 
 
+def resumed(path, **objects):
+    """checkpoint.resume of the file at `path`, as --resume PATH does it."""
+    return checkpoint.resume(SimpleNamespace(resume=str(path), out_dir=os.path.dirname(path), arch="cnn"), **objects)
+
+
 def fresh_schedule(epochs=10, steps_per_epoch=10):
     from common.schedule import warmup_cosine
 
@@ -109,7 +115,7 @@ def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_pa
     path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=3, global_step=30,
                            model_state=model.state_dict())
     model, optimizer, placed = fresh_schedule()
-    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (3, 30)
+    assert resumed(path, model=model, optimizer=optimizer, scheduler=placed) == (3, 30, {})
     assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
     optimizer.step()
     placed.step(), stepped.step()
@@ -129,7 +135,7 @@ def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, cap
                            model_state=model.state_dict(), scheduler=before if saved_schedule else None,
                            metrics={"epoch": 2, "steps": 25})
     model, optimizer, placed = fresh_schedule(4, 10)
-    assert checkpoint.restore(checkpoint.load(path), model=model, optimizer=optimizer, scheduler=placed) == (2, 20)
+    assert resumed(path, model=model, optimizer=optimizer, scheduler=placed) == (2, 20, {})
     assert placed.last_epoch == 20 and placed.get_last_lr() == pytest.approx(before.get_last_lr()) != [0.0]
     assert "ran 25 optimizer steps per epoch, this run 10: the learning-rate schedule continues by progress, " \
            "at step 20 (epochs done: 2), not at the checkpoint's step 50" in capsys.readouterr().out
@@ -158,9 +164,10 @@ def test_leftovers_of_a_killed_save_and_old_digests_are_removed_at_the_next_star
 
 
 def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
-    from common import metrics
+    from common import data, metrics
 
-    metrics.MetricsLog(str(tmp_path)).append({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5})
+    log = metrics.Log("test", SimpleNamespace(out_dir=str(tmp_path), epochs=1), 0, data.Info(num_classes=10))
+    log.epoch({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5, "images_per_sec": 1, "epoch_seconds": 1})
     os.mkdir(tmp_path / metrics.PLOT)  # savefig cannot replace a folder: an OSError, as on a full disk
     assert metrics.plot(str(tmp_path), "test") is None
     assert "warning: could not draw" in capsys.readouterr().err
@@ -207,14 +214,14 @@ def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(
     checkpoint.save(str(tmp_path), step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
                     model_state=model.state_dict())
     with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run \(.*pass --arch resnet18"):
-        checkpoint.find_resume("auto", str(tmp_path), "cnn")
+        checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"), model=model)
 
 
 
 def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, monkeypatch, capsys):
     """--resume: the run's settings come from its checkpoint, read by rank 0 alone once the processes can talk
-    (checkpoint.continue_run); the others get them, or rank 0's error, through `share` (on hosts without a shared
-    disk they could not read the file). Parsing reads nothing."""
+    (checkpoint.settings); the others get them, or rank 0's error, by a broadcast that the step makes (on hosts
+    without a shared disk they could not read the file) and apply them. Parsing reads nothing."""
     from common.cli import shared_parser
 
     parse = shared_parser("test", "test", {"resnet18": None, "cnn": None}).parse_args
@@ -225,19 +232,19 @@ def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, mo
     checkpoint.save(str(run), step="test", arch="cnn", epoch=1, global_step=5, model_state={},
                     args=parse(["--batch-size", "16", "--epochs", "7", "--arch", "cnn"]))
     args = parse(["--resume", "auto", "--out-dir", str(run), "--epochs", "9"])
-    assert (args.batch_size, args.epochs, args.arch) == (128, 9, "resnet18")  # the defaults, until continue_run
-    seen = []
-    checkpoint.continue_run(args, share=lambda verdict: seen.append(verdict) or verdict)  # rank 0
+    assert (args.batch_size, args.epochs, args.arch) == (128, 9, "resnet18")  # the defaults, until settings are applied
+    verdict = checkpoint.settings(args)  # rank 0
+    verdict.apply(args)
     assert (args.batch_size, args.epochs, args.arch) == (16, 9, "cnn"), "typed settings win"
     assert "note: --epochs 9, the checkpoint's run had 7: the learning-rate schedule is stretched to 9 epochs" \
         in capsys.readouterr().out
     monkeypatch.setenv("RANK", "1")  # another rank, on a host where the folder does not exist
     other = parse(["--resume", "auto", "--out-dir", str(tmp_path / "not-here"), "--epochs", "9"])
-    checkpoint.continue_run(other, share=lambda verdict: seen[0])
+    verdict.apply(other)  # what the broadcast brought it
     assert (other.batch_size, other.epochs, other.arch) == (16, 9, "cnn")
     assert not (tmp_path / "not-here").exists(), "only rank 0 prepares --out-dir"
     with pytest.raises(UserError, match="the error rank 0 met"):
-        checkpoint.continue_run(other, share=lambda verdict: ("error", "the error rank 0 met"))
+        checkpoint.Settings(error="the error rank 0 met").apply(other)
 
 
 def test_common_has_no_import_cycle():

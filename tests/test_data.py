@@ -24,15 +24,15 @@ def test_generated_folder_has_the_official_layout(cifar_dir):
 
 
 def test_datasets_read_through_torchvision(cifar_dir):
-    train, test = data.cifar10_datasets(cifar_dir)
+    train, test, info = data.cifar10(cifar_dir)
     image, label = test[0]
     assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and 0 <= int(label) < 10
-    assert len(train) == 1280 and len(test) == 301 and data.is_synthetic(cifar_dir)
+    assert len(train) == 1280 and len(test) == 301 and info == data.Info(10, data.MEAN, data.STD, synthetic=True)
 
 
 def test_augmentation_depends_only_on_seed_epoch_and_index(cifar_dir):
-    train, _ = data.cifar10_datasets(cifar_dir, seed=3)
-    other, _ = data.cifar10_datasets(cifar_dir, seed=3)
+    train, _, _ = data.cifar10(cifar_dir, seed=3)
+    other, _, _ = data.cifar10(cifar_dir, seed=3)
     train.set_epoch(1), other.set_epoch(1)
     assert all(torch.equal(train[i][0], other[i][0]) for i in (5, 0, 77))  # any order, any process
     first = torch.stack([train[i][0] for i in range(64)])
@@ -57,7 +57,7 @@ def test_textures_hide_the_class_from_cheap_features():
 
 def test_missing_data_names_both_remedies(tmp_path):
     with pytest.raises(UserError, match="common.synthetic") as error:
-        data.prepare_cifar10(str(tmp_path / "nothing"), download=False)
+        data.download(str(tmp_path / "nothing"), fetch=False)
     assert "cifar-10-python.tar.gz" in str(error.value)
 
 
@@ -66,13 +66,13 @@ def test_truncated_batch_is_one_clear_error(tmp_path):
     batch = tmp_path / data.FOLDER / "data_batch_3"
     batch.write_bytes(batch.read_bytes()[:200])
     with pytest.raises(UserError, match=f"cannot read CIFAR-10 in {batch} .*damaged or not CIFAR-10"):
-        data.cifar10_datasets(str(tmp_path))
+        data.cifar10(str(tmp_path))
 
 
 def test_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        data.prepare_cifar10(str(tmp_path / "f"))
+        data.download(str(tmp_path / "f"))
 
 
 # A download as torchvision's CIFAR10 does it (download_and_extract_archive into its root). With a third argument
@@ -94,7 +94,7 @@ def download_and_extract_archive(url, root, filename=None, md5=None):
         os.rename(os.path.join(root, "meta.part"), os.path.join(folder, "batches.meta"))
 
 torchvision.datasets.cifar.download_and_extract_archive = download_and_extract_archive
-data.prepare_cifar10(sys.argv[1])
+data.download(sys.argv[1])
 print(sorted(os.listdir(sys.argv[1])), data._missing_files(sys.argv[1]))
 """
 
@@ -126,7 +126,7 @@ def test_two_machines_downloading_into_one_shared_folder_both_succeed(tmp_path):
     assert [first.returncode, second.returncode] == [0, 0], outputs
     assert all(output.strip().endswith("] []") for output in outputs), outputs  # nothing missing, for either
     assert sorted(p.name for p in shared.iterdir()) == ["cifar-10-batches-py"], "no download folder left behind"
-    assert len(data.cifar10_datasets(str(shared))[0]) == 50
+    assert len(data.cifar10(str(shared))[0]) == 50
 
 
 def test_importing_any_part_of_common_makes_torchvision_importable():

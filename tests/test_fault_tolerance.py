@@ -5,6 +5,7 @@ The kill is a real SIGKILL of one worker process, found below the real launcher.
 
 import re
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_a_dead_rank_ends_the_job_quickly(tmp_path, small_data, launcher, number
     assert status != 0
     assert re.search(verdict, output), output[-3000:]
     assert seconds < 60, f"took {seconds:.0f} s to give up"
-    assert checkpoint.find_resume("auto", str(tmp_path), "cnn")["epoch"] >= 1, "the good checkpoint survives"
+    assert checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"))[0] >= 1, \
+        "the good checkpoint survives"
 
 
 def test_port_in_use_fails_fast(data, tmp_path):

@@ -15,9 +15,11 @@ import threading
 import pytest
 import torch
 
-from common import precision
+from common import data
 from common.cli import UserError
 from helpers import SMOKE, script
+
+INFO = data.Info(num_classes=10, mean=data.MEAN, std=data.STD)  # what build_data tells build_model of CIFAR-10
 
 
 CPUS = {  # what torch.cpu.get_capabilities() and torch.backends.cpu.get_cpu_capability() say on some CPUs
@@ -83,16 +85,19 @@ def in_a_replica_thread(module, images):
     return out["logits"]
 
 
+HOOK = "model.module.register_forward_pre_hook(lambda module, inputs: torch.set_autocast_dtype(device.type, amp_dtype))"
+
+
 def test_03_replicas_compute_in_the_runs_dtype_in_their_threads(tmp_path):
     step = runpy.run_path(script(3), run_name="step03")
-    assert "precision.autocast_in_threads(model.module, device.type, amp_dtype)" in open(script(3)).read()
+    assert HOOK in open(script(3)).read(), "step 03's main() sets the run's dtype in every replica"
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE])
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
     with torch.autocast("cpu", dtype=torch.float16):
         # The cause: a replica thread started under autocast computes in the thread's default dtype (the CPU's bf16).
-        assert in_a_replica_thread(step["build_model"](args, 10), images).dtype == torch.bfloat16
-        model = step["prepare_model"](args, step["build_model"](args, 10), torch.device("cpu"))
-        precision.autocast_in_threads(model.module, "cpu", torch.float16)  # as step 03's main() does
+        assert in_a_replica_thread(step["build_model"](args, INFO), images).dtype == torch.bfloat16
+        model = step["prepare_model"](args, step["build_model"](args, INFO), torch.device("cpu"))
+        exec(HOOK, {"torch": torch, "model": model, "device": torch.device("cpu"), "amp_dtype": torch.float16})
         # The fix: the replica (a copy of model.module, with its hooks) sets the run's dtype before its forward.
         assert in_a_replica_thread(model.module, images).dtype == torch.float16
         assert model(images).dtype == torch.float16  # and the passthrough in this thread is unchanged
@@ -101,19 +106,23 @@ def test_03_replicas_compute_in_the_runs_dtype_in_their_threads(tmp_path):
 class NoStop:
     """In place of preempt.Stop: no signal is ever asked about."""
 
-    def requested(self):
+    def requested(self, steps):
         return False
 
 
-def batches(epoch, count=4, batch=4):
-    """One epoch of one optimizer step (4 images), as the steps' training loops take them (preempt.Batches)."""
-    from common.data import CIFAR10Tensors
-    from common.preempt import Batches
+def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=torch.float16, count=4):
+    """Step `step`'s train_one_epoch over one epoch of one optimizer step (4 images)."""
+    from common import metrics
     from common.synthetic import make_images
 
     images, labels = make_images(count, seed=0, kind="easy")
-    loader = torch.utils.data.DataLoader(CIFAR10Tensors(images, labels, train=True), batch_size=batch)
-    return Batches(loader, 1, torch.channels_last, NoStop()).epoch(epoch)
+    sampler = data.EpochSampler(torch.utils.data.DistributedSampler(data.CIFAR10Tensors(images, labels, train=True),
+                                                                    num_replicas=1, rank=0), args.batch_size)
+    loader = torch.utils.data.DataLoader(sampler.sampler.dataset, batch_size=args.batch_size, sampler=sampler)
+    meter = metrics.Meter(args, 1)
+    meter.start(None, sampler.set_epoch(epoch))
+    return step["train_one_epoch"](args, model, loader, optimizer, scheduler, scaler, torch.device("cpu"),
+                                   amp_dtype, NoStop(), meter)
 
 
 def overflowing(scaler, scale=2.0 ** 40):
@@ -130,10 +139,10 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     step = runpy.run_path(script(1), run_name="step01")
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--out-dir", str(tmp_path)])
     cpu, fp16 = torch.device("cpu"), torch.float16
-    model = step["prepare_model"](args, step["build_model"](args, 10), cpu)
+    model = step["prepare_model"](args, step["build_model"](args, INFO), cpu)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
-    train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, fp16)  # noqa: E731
+    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch)  # noqa: E731
     before = weights(model)
     overflowing(scaler)
     train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
@@ -142,8 +151,8 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     overflowing(scaler, 2.0 ** 8)
     train(2)  # a scale that fits: the step is taken
     assert scaler.get_scale() == 2.0 ** 8 and not torch.equal(before["classifier.weight"], model.classifier.weight)
-    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, True)
-    model2 = step["prepare_model"](args, step["build_model"](args, 10), cpu)
+    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, INFO)
+    model2 = step["prepare_model"](args, step["build_model"](args, INFO), cpu)
     optimizer2, scheduler2, scaler2 = step["build_optimizer"](args, model2, 1, cpu, fp16)
     args.resume = path
     assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
@@ -155,7 +164,7 @@ def group_of_one(monkeypatch):
     """A gloo process group of one process in this one, as a launcher would set it up."""
     import torch.distributed as dist
 
-    from common.launchers import free_port
+    from launchers import free_port
 
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(free_port())).items():
@@ -170,7 +179,7 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
     (weights beside its fp32 statistics), fp32 logits, and a backward that goes through."""
     step = runpy.run_path(script(8), run_name="step08")
     args = step["parse_args"](["--data-dir", str(tmp_path), "--arch", "resnet18"])
-    model = step["prepare_model"](args, step["build_model"](args, 10), torch.device("cpu"), torch.bfloat16)
+    model = step["prepare_model"](args, step["build_model"](args, INFO), torch.device("cpu"), torch.bfloat16)
     seen = {}
     for name in ("conv1", "bn1", "linear", "layers.0.conv1", "layers.0.bn1"):
         module = model.get_submodule(name)
@@ -188,15 +197,14 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from common.fsdp_support import full_model
-
     step = runpy.run_path(script(8), run_name="step08")
+    full_model = lambda model: step["get_model_state_dict"](model, options=step["WHOLE"])  # noqa: E731
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4"])
     cpu, fp16 = torch.device("cpu"), torch.float16
-    model = step["prepare_model"](args, step["build_model"](args, 10), cpu, fp16)
+    model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, fp16)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
-    train = lambda epoch: step["train_one_epoch"](model, batches(epoch), optimizer, scheduler, scaler, cpu, None)  # noqa: E731
+    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, None)  # noqa: E731
     before = {name: tensor.clone() for name, tensor in full_model(model).items()}  # with one rank: the live tensors
     overflowing(scaler)
     train(1)

@@ -98,63 +98,65 @@ def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(u
     assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), data, tmp_path)
 
 
-def looks_at_the_flag(steps, grad_accum=1, signal_at=None, part=None):
-    """Run preempt.Batches over `steps` optimizer steps of a stand-in loader, with a Stop whose agreement is counted
-    (and answers at once); a signal noted at pass `signal_at`. Returns (passes yielded, agreements started, batches)."""
-    from common.preempt import Batches, Stop
+def looks_at_the_flag(steps, grad_accum=1, signal_at=None):
+    """The steps' training loop over `steps` optimizer steps (`if last_pass and stop.requested(...): break`), with a Stop
+    whose agreement is counted (and answers at once); a signal noted at pass `signal_at`. Returns (passes made,
+    agreements started, stop)."""
+    from common.preempt import Stop
 
     started = []
 
-    def agree(flag, name="stop"):
+    def agree(flag):
         started.append(int(flag.item()))
-        return lambda: flag
+        return lambda: None
 
-    stop = Stop(agree=agree)
-    batches = Batches(list(range(steps * grad_accum)), grad_accum, None, stop, part and {1: part}).epoch(1)
-    passes = []
-    for index in batches:
-        passes.append(index)
-        if len(passes) == signal_at:
+    stop, passes = Stop(agree=agree), 0
+    for step in range(steps * grad_accum):
+        passes += 1
+        if passes == signal_at:
             stop.signal = "SIGTERM"
-    return passes, started, batches
+        last_pass = (step + 1) % grad_accum == 0
+        if last_pass and stop.requested((step + 1) // grad_accum):
+            break
+    return passes, started, stop
 
 
 def test_the_stop_flag_costs_no_collective_per_step():
-    """Batches looks at the stop flag every CHECK_EVERY optimizer steps, and each look only starts an agreement that
+    """The loop looks at the stop flag every CHECK_EVERY optimizer steps, and each look only starts an agreement that
     the next look reads (by then it has long arrived): no step waits on a collective, and a signal ends the epoch
     within 2 x CHECK_EVERY steps, after a whole accumulation group."""
     from common.preempt import CHECK_EVERY
 
-    passes, started, batches = looks_at_the_flag(100)
-    assert len(passes) == 100 and len(started) == (100 - 1) // CHECK_EVERY and started == [0] * len(started)
-    passes, started, batches = looks_at_the_flag(100, grad_accum=2, signal_at=7)  # during the 4th step
+    passes, started, stop = looks_at_the_flag(100)
+    assert passes == 100 and len(started) == 100 // CHECK_EVERY and started == [0] * len(started)
+    passes, started, stop = looks_at_the_flag(100, grad_accum=2, signal_at=7)  # during the 4th step
     assert started == [1], started  # one look started the agreement that saw it, the next one read it
-    assert batches.steps == 2 * CHECK_EVERY and len(passes) == 2 * 2 * CHECK_EVERY
-    assert batches.stop.requested() and batches.stop.exit_status() == 75
+    assert passes == 2 * 2 * CHECK_EVERY, passes
+    assert stop.requested() and stop.exit_status() == 75
 
 
 def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch):
-    """Batches.timings() as rank 0 of 2, with a stand-in for the max over ranks that adds rank 1's row: rank 1 has each
-    of the 4 steps' batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop. Rank 0 then waited
-    2 s for it, rank 1 for nobody; each rank's slots hold its own figures."""
+    """metrics.Meter as rank 0 of 2 over 4 steps, its timing() gathered with rank 1's by a max (the steps'
+    all-reduce): rank 1 had each step's batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop.
+    Rank 0 then waited 2 s for it, rank 1 for nobody; each rank's slots hold its own figures."""
+    from types import SimpleNamespace
+
     import torch
 
-    from common.preempt import Batches, Stop
+    from common.metrics import Meter
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    names = []
-
-    def agree(row, name="stop"):
-        names.append(name)
-        other, steps = torch.zeros_like(row), len(row) - 6
-        other[:steps] = row[:steps] + 0.5
-        other[steps + 3:] = torch.tensor([10.0, 1.5, row[:steps].sum().item() + 0.5 * steps], dtype=torch.float64)
-        return lambda: torch.maximum(row, other)
-
-    batches = Batches(list(range(4)), 1, None, Stop(agree=agree)).epoch(1)
-    assert list(batches) == [0, 1, 2, 3] and names == ["timings"]
-    ranks = batches.ranks
+    meter = Meter(SimpleNamespace(grad_accum=1, out_dir=".", profile=0), 4)
+    meter.start(None, 0)
+    for _ in range(4):
+        meter.batch_in_hand()
+        meter.batch_done()
+    row = meter.timing()
+    other, steps = torch.zeros_like(row), len(row) - 6
+    other[:steps] = row[:steps] + 0.5
+    other[steps + 3:] = torch.tensor([10.0, 1.5, row[:steps].sum().item() + 0.5 * steps], dtype=torch.float64)
+    ranks = meter.row(torch.tensor([8.0, 4.0], dtype=torch.float64), torch.maximum(row, other))["ranks"]
     assert ranks["train_s"][1] == 10.0 and ranks["data_s"][1] == 1.5 and 0 <= ranks["data_s"][0] <= ranks["train_s"][0]
     assert ranks["wait_s"] == [2.0, 0.0], ranks
 
@@ -178,6 +180,15 @@ def test_the_epoch_line_names_a_rank_over_the_median_by_more_than_20_percent(tra
 
 
 def test_a_part_way_epoch_continues_after_the_same_fraction():
-    """A run stopped after 10 of 20 steps per epoch, continued with 40 steps per epoch (half the batch): step 20."""
-    passes, _, batches = looks_at_the_flag(40, part={"epoch": 1, "steps": 10, "of_steps": 20})
-    assert passes[0] == 20 and batches.steps == 40 and len(batches) == 20
+    """A run stopped after 10 of 20 steps per epoch, continued with 40 steps per epoch (half the batch): the sampler
+    starts at step 20 of the epoch's order, and loads none of the samples before it."""
+    import torch
+
+    from common.data import EpochSampler
+
+    order = torch.utils.data.DistributedSampler(range(160), num_replicas=1, rank=0, seed=0)
+    sampler = EpochSampler(order, 4)  # 40 steps of 4
+    assert sampler.set_epoch(1, {"epoch": 1, "steps": 10, "of_steps": 20}) == 20
+    order.set_epoch(1)
+    assert list(sampler) == list(order)[80:] and len(sampler) == 80
+    assert sampler.set_epoch(2) == 0 and len(sampler) == 160 and list(sampler) == list(order)

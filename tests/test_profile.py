@@ -32,13 +32,13 @@ def test_a_collective_still_in_flight_when_the_trace_stops_counts_nothing():
     """A gloo collective on its own thread that had not ended when the trace stopped has an end before its start (seen
     once on a loaded machine: communication -610780234290%). The shares leave it out: here 6 of the step's 10 us were
     compute, 2 waited for data, 1 for the all-reduce that ended."""
-    from common.metrics import _shares
+    from common.metrics import DATA, _shares
 
     def event(name, start, end, thread=1):
         return SimpleNamespace(name=name, thread=thread, device_type=SimpleNamespace(name="CPU"),
                                time_range=SimpleNamespace(start=start, end=end))
 
-    events = [event("Optimizer.step#SGD.step", 0, 10), event("aten::addmm", 0, 6), event("data", 6, 8),
+    events = [event("Optimizer.step#SGD.step", 0, 10), event("aten::addmm", 0, 6), event(DATA + "_SingleProcessDataLoaderIter.__next__", 6, 8),
               event("gloo:all_reduce", 8, 9, thread=2), event("gloo:all_reduce", 9.5, -7.4e15, thread=2)]
-    shares = {name: round(seconds * 1e6, 6) for name, seconds in _shares(events, "data").items()}
+    shares = {name: round(seconds * 1e6, 6) for name, seconds in _shares(events).items()}
     assert shares == {"compute": 6, "communication": 1, "data": 2}, shares
