@@ -1,82 +1,74 @@
-"""The command line every step shares: its flags, argument types, the precision --amp picks, and the error contract
-(one line, exit status 2, never a traceback) with an exit that cannot hang."""
+"""The command line every step shares: its flags, the precision --amp picks, the processes' share of the cores, and
+the error contract (one line, exit status 2, never a traceback) with an exit that cannot hang."""
 import argparse
 import contextlib
 import functools
 import gc
+import json
+import multiprocessing
 import os
 import re
+import signal
 import sys
+import textwrap
+import threading
 import time
 import traceback
 
+import torch
+
 
 class UserError(Exception):
-    """A problem the user can fix. Printed as one line (with the fix), exit status 2. A step says the same with
-    sys.exit("what is wrong: the fix")."""
+    """A problem the user can fix: one line (with the fix), exit status 2. A step says the same with sys.exit("...")."""
 
 
-# What a collective's failure says when a peer process is gone (gloo, NCCL; Horovod's exception), when a group cannot
-# form, and when a collective waited past --dist-timeout (gloo; NCCL's watchdog ends the process itself).
+# What a collective's failure says when a peer process is gone (gloo, NCCL, Horovod), when a group cannot form, and
+# when a collective waited past --dist-timeout (gloo; NCCL's watchdog ends the process itself).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
              "NCCL communicator was aborted", "HorovodInternalError")
-CONNECT_FAILED = "connectFullMesh failed"
-TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")
+CONNECT_FAILED, TIMED_OUT = "connectFullMesh failed", ("Timed out waiting", "failed to pass monitoredBarrier")
 
 
 def brief(text, width=200):
-    """`text` on one line, shortened at a word boundary (never cut mid-word) to at most `width` characters."""
-    import textwrap
-
+    """`text` on one line, shortened at a word boundary to at most `width` characters."""
     return textwrap.shorten(" ".join(str(text).split()), width, placeholder=" ...") or str(text)[:width]
 
 
 def rank():
-    """This process's rank as its launcher set it (RANK; horovodrun: HOROVOD_RANK, or Open MPI's); 0 without one."""
+    """This process's rank as its launcher set it (RANK, HOROVOD_RANK or Open MPI's); 0 without one."""
     return int(next((os.environ[k] for k in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), 0))
 
 
 def processes():
-    """Processes of this job as its launcher set them (WORLD_SIZE, HOROVOD_SIZE or Open MPI's); 1 without one."""
-    return int(next((os.environ[k] for k in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE")
-                     if k in os.environ), 1))
+    """The job's processes as its launcher set them (WORLD_SIZE, HOROVOD_SIZE or Open MPI's); 1 without one."""
+    return int(next((os.environ[k] for k in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE") if k in os.environ), 1))
 
 
-def _number(text, kind, check, rule):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a {'whole ' * (kind is int)}number, got {text!r}") from None
-    if not check(value):
-        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-    return value
+def _number(kind, check, rule):
+    """An argparse type: `kind` of the text, which must pass `check` (`rule` says what it must be)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {'whole ' * (kind is int)}number, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    return parse
 
 
-def positive_int(text):
-    return _number(text, int, lambda value: value >= 1, "positive")
-
-
-def non_negative_int(text):
-    return _number(text, int, lambda value: value >= 0, "0 or more")
-
-
-def positive_float(text):
-    return _number(text, float, lambda value: 0 < value < float("inf"), "a positive finite number")
+positive_int = _number(int, lambda value: value >= 1, "positive")
+non_negative_int = _number(int, lambda value: value >= 0, "0 or more")
+positive_float = _number(float, lambda value: 0 < value < float("inf"), "a positive finite number")
 
 
 class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
-        """Parse, and note which options were typed (`given`): --resume takes the others from the checkpoint's run
-        (checkpoint.settings). Parsing reads no file."""
-        parsed = super().parse_args(args, namespace)
-        defaults = {action: action.default for action in self._actions}
-        try:  # parsed again with every default suppressed: what is left was typed
-            for action in self._actions:
-                action.default = argparse.SUPPRESS
-            parsed.given = frozenset(vars(super().parse_known_args(args)[0]))
-        finally:
-            for action, default in defaults.items():
-                action.default = default
+        """Parse, and note which options were typed (`given`): --resume takes the others from the checkpoint's run."""
+        parsed, unset = super().parse_args(args, namespace), object()
+        # Parsed again into a namespace that has every option already (argparse then sets no default): typed ones change.
+        typed = vars(super().parse_known_args(args, argparse.Namespace(**{a.dest: unset for a in self._actions}))[0])
+        parsed.given = frozenset(name for name, value in typed.items() if value is not unset)
         return parsed
 
     def error(self, message):
@@ -94,81 +86,65 @@ def shared_parser(description, step, archs):
     archs: the script's --arch choices (the first is the default)."""
     parser = _Parser(description=description)
     add = parser.add_argument
-    add("--data-dir", default="./data", help="where build_data finds the data (CIFAR-10: the folder holding "
-                                             "cifar-10-batches-py/, downloaded if missing; default ./data)")
-    add("--out-dir", default=f"runs/{step}", help=f"checkpoints, metrics.jsonl, training_curves.png (default runs/{step})")
+    add("--data-dir", default="./data", help="the data (CIFAR-10: the folder of cifar-10-batches-py/; default ./data)")
+    add("--out-dir", default=f"runs/{step}", help=f"checkpoints, metrics.jsonl, curves (default runs/{step})")
     add("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
     add("--batch-size", type=positive_int, default=128,
-        help="images per forward pass of one process; global batch = this x processes x --grad-accum (default 128)")
-    add("--grad-accum", type=positive_int, default=1, help="forward/backward passes per optimizer step (default 1)")
-    add("--lr", type=positive_float, default=0.1, help="peak learning rate of SGD for the global batch (default 0.1)")
-    add("--arch", choices=list(archs), default=next(iter(archs)),
-        help=f"the model: {' or '.join(archs)} (default {next(iter(archs))})")
+        help="images per pass of one process; global batch = this x processes x --grad-accum (default 128)")
+    add("--grad-accum", type=positive_int, default=1, help="passes per optimizer step (default 1)")
+    add("--lr", type=positive_float, default=0.1, help="peak learning rate of the global batch (default 0.1)")
+    add("--arch", choices=list(archs), default=next(iter(archs)), help=f"the model (default {next(iter(archs))})")
     add("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
-        help="mixed precision: auto = what the hardware computes natively (bf16 where it can, else fp32 on a CPU and "
-             "fp16 on older GPUs); off = fp32 (default auto)")
-    add("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-        help="NHWC memory layout, faster convolutions on tensor cores and CPUs (default on)")
-    add("--compile", action="store_true", help="torch.compile the model (the first epoch pays a one-time compile)")
+        help="mixed precision: auto = what the hardware computes natively (default); off = fp32")
+    add("--channels-last", action=argparse.BooleanOptionalAction, default=True, help="NHWC layout (default on)")
+    add("--compile", action="store_true", help="torch.compile the model (the first epoch pays the compile)")
     add("--workers", type=non_negative_int, default=2, help="DataLoader worker processes (default 2)")
-    add("--seed", type=non_negative_int, default=0, help="seed for weights, order and augmentation")
-    add("--resume", metavar="PATH|auto",
-        help="checkpoint to continue from; 'auto' = newest in --out-dir (fresh start if none)")
-    add("--overwrite", action="store_true",
-        help="replace the run already in --out-dir (its checkpoints and metrics) instead of refusing")
-    add("--stop-after", type=positive_int, metavar="N",
-        help="leave after N epochs of this run (time-limited jobs); continue with --resume auto")
+    add("--seed", type=non_negative_int, default=0, help="seed of weights, order and augmentation (default 0)")
+    add("--resume", metavar="PATH|auto", help="a checkpoint to continue; auto: the newest in --out-dir, if any")
+    add("--overwrite", action="store_true", help="replace the run already in --out-dir instead of refusing")
+    add("--stop-after", type=positive_int, metavar="N", help="leave after N epochs of this run (--resume auto goes on)")
     add("--profile", type=non_negative_int, default=0, metavar="N",
-        help="trace N optimizer steps with torch.profiler (from the 4th on) into --out-dir (profile-rankR.json) and "
-             "print each rank's shares of compute, communication and data (docs/debugging.md)")
+        help="trace N optimizer steps into --out-dir and say where their time went (docs/debugging.md)")
     return parser
 
 
 def exits_cleanly(main):
-    """Turn a UserError, sys.exit("message"), and a collective that timed out or lost its peer into one line on stderr
-    and exit status 2, never a traceback; and bound the process's exit (bound_the_exit).
-
-    Under a launcher every rank prints its own line, prefixed with its rank, so the launcher's log says which process
-    gave up and why. Under torchrun the line also goes into the error file it names (TORCHELASTIC_ERROR_FILE), so that
-    its closing summary shows it instead of `<N/A>`."""
+    """A UserError, sys.exit("message"), a missing path, a broken JSON file, and a collective that timed out or lost its
+    peer become one line on stderr (every rank's, prefixed with its rank; under torchrun also in its error file, so that
+    its summary shows it) and exit status 2, never a traceback. Also bounds the exit, and shares the cores."""
 
     def leave(line, consequence=False):
         print(line, file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            import json
-
-            # torchrun's summary calls the failure with the smallest timestamp (whole seconds) the root cause; a tie
-            # goes to the one it lists first (ranks that exited by themselves, in rank order). A cause is stamped a
-            # second early, a rank that only stopped because another failed a second late: the cause wins the tie.
+            # torchrun calls the failure with the smallest timestamp (whole seconds) the root cause: a cause is
+            # stamped a second early, a rank that only stopped because another failed a second late.
             with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time()) + (1 if consequence else -1)}, f)
         return 2
-
-    def prefix():
-        return f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         bound_the_exit()
         share_the_cores()
+        prefix = f"[rank {rank()}] " if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         try:
             return main(*args, **kwargs)
         except SystemExit as error:
             if not isinstance(error.code, str):
                 raise
-            status = leave(f"{prefix()}error: {error.code}")
+            status = leave(f"{prefix}error: {error.code}")
         except UserError as error:
-            status = leave(f"{prefix()}error: {error}")
+            status = leave(f"{prefix}error: {error}")
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:  # a path given
-            status = leave(f"{prefix()}error: {error.filename}: {error.strerror}: check the path")
+            status = leave(f"{prefix}error: {error.filename}: {error.strerror}: check the path")
         except Exception as error:
             text = f"{type(error).__name__}: {error}"
             if any(needle in text for needle in TIMED_OUT):
                 cause = re.sub(r"^\[\S+:\d+\] ", "", str(error).splitlines()[0])  # gloo's: [source file:line] text
-                status = leave(f"{prefix()}error: a collective timed out ({brief(cause, 160)}): another rank is stuck "
+                status = leave(f"{prefix}error: a collective timed out ({brief(cause, 160)}): another rank is stuck "
                                "or skipped it; docs/debugging.md finds which")
             elif type(error).__name__ == "JSONDecodeError":  # a file given to be read as JSON
-                status = leave(f"{prefix()}error: not valid JSON ({error}): check the JSON file you passed")
+                status = leave(f"{prefix}error: not valid JSON ({error}): check the JSON file you passed")
             elif CONNECT_FAILED in text:
                 status = leave(f"error: cannot connect to the other processes ({brief(str(error).splitlines()[0], 160)})"
                                ": one stopped while the group formed, or the address is unreachable (see "
@@ -189,14 +165,12 @@ def exits_cleanly(main):
 
 
 def share_the_cores():
-    """Several processes on one machine share its cores: torch's threads per process, cores / local processes, where
-    the launcher did not say (torchrun sets OMP_NUM_THREADS=1; deepspeed and horovodrun set nothing, and N processes
-    with a thread per core each run ~10x slower on a CPU). OMP_NUM_THREADS overrides it."""
-    local = int(next((os.environ[k] for k in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE")
-                      if k in os.environ), 1))
+    """Several processes on one machine share its cores: torch's threads per process = cores / local processes, where
+    the launcher did not say (torchrun sets OMP_NUM_THREADS=1; DeepSpeed's and Horovod's launchers set nothing, and N
+    processes with a thread per core each run ~10x slower on a CPU). OMP_NUM_THREADS overrides it."""
+    names = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE")
+    local = int(next((os.environ[k] for k in names if k in os.environ), 1))
     if local > 1 and "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
@@ -204,21 +178,15 @@ EXIT_WAIT = 30  # seconds the interpreter's exit may take (its threads and exit 
 
 
 def bound_the_exit():
-    """From now on this process cannot hang silently at its exit (once per process): an exit still not done EXIT_WAIT
-    seconds after it began (a thread or child process that does not end) ends the process with one line and exit
-    status 1. The DataLoader workers, which could hold it forever, are ended by common/preempt.py."""
-    import threading
-
+    """From now on this process cannot hang silently at its exit: an exit still not done EXIT_WAIT seconds after it began
+    (a thread or child process that does not end) ends it with one line and exit status 1 (common/preempt.py ends the
+    DataLoader workers, which could hold it forever)."""
     if not getattr(bound_the_exit, "watching", False):
         bound_the_exit.watching = True
         threading.Thread(target=_watch_the_exit, daemon=True, name="exit-watch").start()
 
 
 def _watch_the_exit():
-    import multiprocessing
-    import signal
-    import threading
-
     threading.main_thread().join()  # returns when the interpreter's exit begins, before it joins threads and runs atexit
     time.sleep(EXIT_WAIT)
     children = multiprocessing.active_children()
@@ -240,16 +208,12 @@ def amp_choice(choice, device):
     """(dtype or None, why). auto: what `device` computes natively: bf16 where it does (CPUs with AVX512-BF16 or AMX,
     ARM CPUs with BF16, GPUs from Ampere on, Intel GPUs), else fp32 on a CPU (there bf16 is emulated, several times
     slower) and fp16 with loss scaling (GradScaler) on older CUDA GPUs."""
-    import torch
-
     if choice == "fp16" and device.type == "cpu":
         raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp off")
     native, name = native_bf16(device)
     if choice != "auto":
-        emulated = choice == "bf16" and not native
-        return ({"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[choice],
-                f"as asked; {name} has no native bf16: emulated, several times slower than fp32" if emulated
-                else "as asked")
+        return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[choice], "as asked" + (
+            f"; {name} has no native bf16: emulated, several times slower than fp32" * (choice == "bf16" and not native))
     if native:
         return torch.bfloat16, f"auto: {name} computes bf16 natively"
     if device.type == "cuda":
@@ -260,8 +224,6 @@ def amp_choice(choice, device):
 def native_bf16(device):
     """(True if `device` computes bf16 natively, its name). A CPU's AVX512-BF16 or AMX counts where torch's kernels may
     use it (ATEN_CPU_CAPABILITY=avx2 forbids it)."""
-    import torch
-
     if device.type == "cpu":
         found, isa = torch.cpu.get_capabilities(), torch.backends.cpu.get_cpu_capability()
         x86 = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if found.get(key)]
@@ -271,6 +233,6 @@ def native_bf16(device):
             return True, "this CPU (ARM BF16)"
         return False, f"this CPU ({isa})"
     module = getattr(torch, device.type, None)
-    name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type.upper()
     check = getattr(module, "is_bf16_supported", None)
+    name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type.upper()
     return bool(check and check(including_emulation=False)), name

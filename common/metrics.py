@@ -1,4 +1,4 @@
-"""What a run reports: Log (metrics.jsonl, the console's lines, the training-curve PNG, every rank's weight digest) and
+"""What a run reports: Log (metrics.jsonl, the console's lines, the training curves, each rank's weight digest), and
 Meter (one rank's figures of an epoch's loop: its timing, and --profile's trace)."""
 import contextlib
 import json
@@ -9,25 +9,26 @@ import sys
 import time
 
 import torch
+import torch.profiler as tp
 
-from .cli import amp_choice, processes, rank
+from .checkpoint import checkpoint_path, load, write_digest
+from .cli import UserError, amp_choice, processes, rank
 
 FILE, PLOT = "metrics.jsonl", "training_curves.png"
-_PRECISION = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "None": "off"}
 
 
 class Log:
-    """The run's record; rank 0 writes it. metrics.jsonl holds one row per finished epoch: a resumed run keeps the
-    rows up to the epoch it resumes from and drops later ones (written after that checkpoint by the run that crashed),
-    so the file always matches the weights; the resumed epoch's row, lost if the run was killed between its checkpoint
-    and its row, comes back from that checkpoint."""
+    """The run's record, written by rank 0; metrics.jsonl has a row per finished epoch. A resumed run keeps the rows up to
+    its checkpoint's epoch (whose row, if the run was killed before writing it, comes from the checkpoint)."""
 
     def __init__(self, step, args, start_epoch, info):
         self.step, self.args, self.info, self.path = step, args, info, os.path.join(args.out_dir, FILE)
         if rank() == 0:
             rows = [row for row in read(self.path) if row["epoch"] <= start_epoch] if start_epoch else []
             if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
-                rows += _row_of_checkpoint(args.out_dir, start_epoch)
+                with contextlib.suppress(UserError):
+                    state = load(checkpoint_path(args.out_dir, start_epoch), mmap=True)
+                    rows += [{**state["metrics"], "synthetic": state["synthetic"]}] if state["metrics"] else []
             os.makedirs(args.out_dir, exist_ok=True)
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -37,55 +38,36 @@ class Log:
         args, world = self.args, processes()
         if not isinstance(precision, str):
             why = amp_choice(args.amp, device)[1]
-            precision = _PRECISION[str(precision)] + (f" ({why})" if why != "as asked" else "")
+            precision = {torch.float16: "fp16", torch.bfloat16: "bf16", None: "off"}[precision] + (
+                f" ({why})" if why != "as asked" else "")
         batch = (f"batch {args.batch_size} x {args.grad_accum} accumulation" if world == 1 else
                  f"batch {args.batch_size} per process x {world} processes x {args.grad_accum} accumulation = "
                  f"{args.batch_size * world * args.grad_accum} global")
-        where = device if world == 1 else f"{world} x {device.type}"
-        self._say(f"{self.step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, {len(loader.dataset)} "
-                  f"training images, {len(loader) // args.grad_accum} steps/epoch"
-                  + ("  [SYNTHETIC DATA, not CIFAR-10]" if self.info.synthetic else ""))
+        if rank() == 0:
+            print(f"{self.step}: {args.arch} on {device if world == 1 else f'{world} x {device.type}'}, {prefix}amp "
+                  f"{precision}, {batch}, {len(loader.dataset)} training images, {len(loader) // args.grad_accum} "
+                  "steps/epoch" + ("  [SYNTHETIC DATA, not CIFAR-10]" if self.info.synthetic else ""), flush=True)
 
     def epoch(self, row):
         """A finished epoch's row into metrics.jsonl (a part-way one is in its checkpoint instead), and its line."""
         row = {**row, "synthetic": self.info.synthetic}
-        if rank() == 0 and not row.get("partial"):
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        self._say(epoch_line(row, self.args.epochs))
+        if rank() == 0:
+            if not row.get("partial"):
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(epoch_line(row, self.args.epochs), flush=True)
 
     def finish(self, model_state):
         """The training curves (rank 0), and this rank's weights-rankN.sha256: equal files = equal states."""
-        from .checkpoint import write_digest
-
         if rank() == 0:
-            world = processes()
-            plot(self.args.out_dir, f"{self.step} ({self.args.arch}" + (f", {world} processes)" if world > 1 else ")"))
+            plot(self.args.out_dir, f"{self.step} ({self.args.arch}{f', {processes()} processes' * (processes() > 1)})")
         write_digest(self.args.out_dir, rank(), model_state)
-
-    def _say(self, line):
-        if rank() == 0:
-            print(line, flush=True)
-
-
-def _row_of_checkpoint(out_dir, epoch):
-    """[the metrics row that out_dir's checkpoint of `epoch` holds], or [] without one."""
-    from .checkpoint import checkpoint_path, load
-    from .cli import UserError
-
-    path = checkpoint_path(out_dir, epoch)
-    try:
-        state = load(path, mmap=True) if os.path.isfile(path) else {}
-    except UserError:
-        return []
-    return [{**state["metrics"], "synthetic": state["synthetic"]}] if state.get("metrics", {}).get("epoch") else []
 
 
 def read(path):
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+    return []
 
 
 def epoch_line(row, epochs):
@@ -93,76 +75,64 @@ def epoch_line(row, epochs):
     if row.get("partial"):
         return (f"epoch {row['epoch']:>3}/{epochs}  stopped after step {row['steps']}/{row['of_steps']}  "
                 f"train_loss so far {row['train_loss']:.4f}  (saved; no evaluation){tag}")
-    return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "
-            f"test_loss {row['test_loss']:.4f}  test_acc {100 * row['test_acc']:.2f}%  "
-            f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s{tag}{slowest_rank(row.get('ranks'))}")
+    return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  test_loss {row['test_loss']:.4f}  "
+            f"test_acc {100 * row['test_acc']:.2f}%  {row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s"
+            f"{tag}{slowest_rank(row.get('ranks'))}")
 
 
-SLOWER = 1.2  # a rank whose own time is more than 20% over the median rank's is named
-
-
-def slowest_rank(ranks):
-    """"  slowest rank R: ..." when a rank's own time (its train_s less its wait_s: the time it did not wait for a later
-    rank) is more than 20% over the median rank's (for an even count, the lower of the middle two), else ""."""
+def slowest_rank(ranks, slower=1.2):
+    """"  slowest rank R: ..." when a rank's own time (train_s less wait_s, its wait for a later rank) is over 20% more
+    than the median rank's (of an even count, the lower middle one), else ""."""
     if not ranks:
         return ""
     own = [train - wait for train, wait in zip(ranks["train_s"], ranks["wait_s"])]
     median, slow = statistics.median_low(own), max(range(len(own)), key=own.__getitem__)
-    if own[slow] <= SLOWER * median:
-        return ""
-    return (f"  slowest rank {slow}: {own[slow]:.1f} s of its own, the median rank {median:.1f} s "
-            f"({ranks['data_s'][slow]:.1f} s of it waiting for data)")
+    return "" if own[slow] <= slower * median else (
+        f"  slowest rank {slow}: {own[slow]:.1f} s of its own, the median rank {median:.1f} s "
+        f"({ranks['data_s'][slow]:.1f} s of it waiting for data)")
 
 
 def plot(out_dir, title):
-    """Draw loss and accuracy per epoch from metrics.jsonl into training_curves.png."""
-    rows = read(os.path.join(out_dir, FILE))
+    """Loss and accuracy per epoch from metrics.jsonl, drawn into training_curves.png."""
+    rows, path = read(os.path.join(out_dir, FILE)), os.path.join(out_dir, PLOT)
     if not rows:
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    epochs = [r["epoch"] for r in rows]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [r["train_loss"] for r in rows], "o-", label="train")
-    ax_loss.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax_loss.legend()
-    ax_acc.plot(epochs, [100 * r["test_acc"] for r in rows], "o-", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if any(r.get("synthetic") for r in rows):
-        title += "  (SYNTHETIC DATA, not CIFAR-10)"
-    fig.suptitle(title)
+    epochs, synthetic = [r["epoch"] for r in rows], any(r.get("synthetic") for r in rows)
+    fig, (loss, acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("train", "test"):
+        loss.plot(epochs, [r[f"{name}_loss"] for r in rows], "o-", label=name)
+    acc.plot(epochs, [100 * r["test_acc"] for r in rows], "o-", color="tab:green")
+    loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    for ax in (loss, acc):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # (pyplot imports matplotlib.ticker)
+    loss.legend()
+    fig.suptitle(title + ("  (SYNTHETIC DATA, not CIFAR-10)" if synthetic else ""))
     fig.tight_layout()
-    path = os.path.join(out_dir, PLOT)
     try:
         fig.savefig(path, dpi=100)
     except OSError as error:  # the checkpoints and metrics.jsonl are written already: say so, do not fail the run
-        print(f"warning: could not draw {path} ({error.strerror or error}); the checkpoints are complete",
-              file=sys.stderr)
+        print(f"warning: could not draw {path} ({error.strerror or error}); the checkpoints are complete", file=sys.stderr)
         path = None
     plt.close(fig)
     return path
 
 
 def peak_memory_mb(device):
-    """Peak memory of this process so far: the accelerator's allocator peak on a GPU, else the peak resident set size
-    (which includes the Python interpreter and libraries). On Linux that is VmHWM: ru_maxrss survives exec, so a
-    process started from a large parent (a notebook, a benchmark) would report the parent's."""
-    if device.type != "cpu":
-        with contextlib.suppress(RuntimeError, NotImplementedError):  # an accelerator without memory statistics
+    """Peak memory of this process so far: the accelerator's allocator peak, else the peak resident set size
+    (interpreter and libraries included): Linux's VmHWM, as ru_maxrss survives exec and would report a large parent's."""
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # an accelerator without memory statistics
+        if device.type != "cpu":
             return torch.accelerator.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
-    except (OSError, StopIteration):
-        import resource
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
+    import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 ARRIVALS_FROM = 1.7e9  # arrival times count from here (2023-11), not 1970: sums of them keep their precision
@@ -170,13 +140,11 @@ PROFILE_AFTER = 3  # optimizer steps before --profile's trace: DDP regroups its 
 
 
 class Meter:
-    """One rank's figures of each epoch's loop, for its row of metrics.jsonl. The loop calls batch_in_hand() as each
-    batch arrives and batch_done() after its pass: the time between is the loop's, the time before is spent waiting
-    for the batch (data_s). Each optimizer step's last batch notes when it arrived (one clock for every rank), so that
-    the ranks' arrivals, gathered once per epoch (timing(), by a max over ranks that the step makes), say which rank
-    held the others up (wait_s). With --profile N it also traces optimizer steps PROFILE_AFTER + 1 to PROFILE_AFTER + N
-    of the run with torch.profiler into --out-dir/profile-rankR.json and says where their time went (docs/debugging.md).
-    """
+    """One rank's figures of each epoch's loop, for its row of metrics.jsonl. The loop calls batch_in_hand() as a batch
+    arrives and batch_done() after its pass: the time between is spent waiting for data (data_s). Each optimizer step's
+    last batch notes when it arrived (one clock for every rank): gathered once per epoch (timing()), the arrivals say
+    which rank held the others up (wait_s). --profile N traces optimizer steps PROFILE_AFTER + 1 to PROFILE_AFTER + N
+    into --out-dir/profile-rankR.json and says where their time went (docs/debugging.md)."""
 
     def __init__(self, args, steps_per_epoch):
         self.grad_accum, self.of_steps, self.out_dir = args.grad_accum, steps_per_epoch, args.out_dir
@@ -188,8 +156,7 @@ class Meter:
         self.begin = self.ready = time.perf_counter()
 
     def batch_in_hand(self):
-        now = time.perf_counter()
-        self.data_seconds += now - self.ready
+        self.data_seconds += time.perf_counter() - self.ready
         if self.passes % self.grad_accum == 0:  # an optimizer step begins
             self._profile_step()
         if self.passes % self.grad_accum == self.grad_accum - 1:  # the pass whose backward meets the other ranks
@@ -202,17 +169,15 @@ class Meter:
     def timing(self):
         """This rank's timing of the epoch in its own slots of a vector that a max over ranks (collective) fills with
         every rank's: each step's last arrival, then (train_s, data_s, the sum of its arrivals) per rank."""
-        steps, world, me = len(self.arrivals), processes(), len(self.arrivals) + 3 * rank()
-        row = torch.zeros(steps + 3 * world, dtype=torch.float64)
-        row[:steps] = torch.tensor(self.arrivals, dtype=torch.float64)
-        row[me:me + 3] = torch.tensor([time.perf_counter() - self.begin, self.data_seconds, sum(self.arrivals)],
-                                      dtype=torch.float64)
+        steps, me = len(self.arrivals), len(self.arrivals) + 3 * rank()
+        row = torch.zeros(steps + 3 * processes(), dtype=torch.float64)
+        row[:steps] = row.new_tensor(self.arrivals)  # float64, as every figure here: sums of arrivals stay exact
+        row[me:me + 3] = row.new_tensor([time.perf_counter() - self.begin, self.data_seconds, sum(self.arrivals)])
         return row
 
     def row(self, totals, timing=None):
-        """The training half of the epoch's row from totals = (loss sum, images) summed over ranks and `timing`
-        gathered (None: one process). Fewer steps than the epoch has: it stopped part-way ("partial"). The part a
-        stopped run saved is merged in, so that the epoch's loss covers all of it."""
+        """The training half of the epoch's row from totals = (loss sum, images) summed over ranks and `timing` gathered
+        (None: one process), the part a stopped run saved merged in; "partial" if it stopped part-way."""
         self._profile_stop()
         part, steps = self.part, self.skipped + self.passes // self.grad_accum
         loss_sum, seen = totals.tolist()
@@ -222,9 +187,8 @@ class Meter:
                "peak_memory_mb": max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0)),
                "steps": steps, "images": int(seen)}
         if timing is not None:
-            done = len(self.arrivals)
-            last, world = timing[:done].sum().item(), processes()
-            train, data, arrived = timing[done:].view(world, 3).T.tolist()
+            last, done = timing[:len(self.arrivals)].sum().item(), len(self.arrivals)
+            train, data, arrived = timing[done:].view(processes(), 3).T.tolist()
             row["ranks"] = {name: [round(seconds, 3) for seconds in values] for name, values in (
                 ("train_s", train), ("data_s", data), ("wait_s", [max(0.0, last - mine) for mine in arrived]))}
         return {**row, "partial": True, "of_steps": self.of_steps} if steps < self.of_steps else row
@@ -232,12 +196,8 @@ class Meter:
     def _profile_step(self):
         self.optimizer_steps += 1
         if self.profile_steps and self.optimizer_steps == PROFILE_AFTER + 1:
-            import torch.profiler as tp
-
-            accelerator = torch.accelerator.is_available() and getattr(torch.get_device_module(), "is_initialized",
-                                                                        bool)()
-            self.profiler = tp.profile(activities=tp.supported_activities() if accelerator else
-                                       [tp.ProfilerActivity.CPU])
+            gpu = torch.accelerator.is_available() and getattr(torch.get_device_module(), "is_initialized", bool)()
+            self.profiler = tp.profile(activities=tp.supported_activities() if gpu else [tp.ProfilerActivity.CPU])
             self.profiler.__enter__()
             self.traced, self.profile_begin = 0, time.perf_counter()
         elif self.profiler:
@@ -257,63 +217,41 @@ class Meter:
         shares = {name: part / seconds for name, part in _shares(profiler.events()).items()}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
         print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / steps:.1f} ms each: "
-              + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})",
-              flush=True)
+              + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})", flush=True)
 
 
 # Events of a collective in a torch.profiler trace: gloo's and NCCL's own spans (the time the collective was in flight,
-# waiting for the other ranks included), c10d's operators, Horovod's. DATA: the DataLoader's wait for a batch.
-COLLECTIVE = re.compile(r"gloo:|nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier|horovod", re.I)
+# waiting for the other ranks included), c10d's operators, FSDP's. DATA: the DataLoader's wait for a batch.
+COLLECTIVE = re.compile(r"gloo:|nccl:|c10d::|FSDP::(all_|reduce_)|Broadcast")  # Broadcast: DataParallel's copies
 DATA = "enumerate(DataLoader)#"
 
 
 def _shares(events):
-    """{compute, communication, data}: seconds of a trace. data: the loop's waits for its batches (the DataLoader's
-    own spans). compute: its thread's operators (aten::, or a torch.compile'd region), outside them. communication: a
-    collective in flight on any thread (gloo's run on threads of their own) while that thread computes nothing and
-    waits for no data."""
+    """{compute, communication, data}: seconds of a trace. data: the loop's waits for its batches. compute: its
+    thread's operators (aten::, or a torch.compile'd region), outside them. communication: a collective in flight on
+    any thread (gloo's run on threads of their own) while that thread computes nothing and waits for no data."""
     from collections import Counter
 
     main = next((e.thread for e in events if e.name.startswith("Optimizer.step")),  # the training loop's thread
                 Counter(e.thread for e in events).most_common(1)[0][0] if events else None)
-    cpu = [e for e in events if e.device_type.name == "CPU"]
 
     def spans(keep):  # an event still in flight when the trace stopped (a collective on its own thread) has no end
-        return _union([(e.time_range.start, e.time_range.end) for e in cpu
-                       if keep(e) and e.time_range.end >= e.time_range.start])
+        return [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CPU"
+                and keep(e) and e.time_range.end >= e.time_range.start]
 
     data = spans(lambda e: e.thread == main and e.name.startswith(DATA))
     compute = spans(lambda e: e.thread == main and e.name.startswith(("aten::", "Torch-Compiled Region"))
                     and not COLLECTIVE.search(e.name))
     talk = spans(lambda e: COLLECTIVE.search(e.name))
-    busy = _union(compute + data)
-    seconds = {"compute": _length(compute) - _overlap(compute, data),
-               "communication": _length(talk) - _overlap(talk, busy), "data": _length(data)}
+    seconds = {"compute": _covered(compute + data) - _covered(data),  # time covered by A, not B: |A u B| - |B|
+               "communication": _covered(talk + compute + data) - _covered(compute + data), "data": _covered(data)}
     return {name: value / 1e6 for name, value in seconds.items()}  # microseconds
 
 
-def _union(spans):
-    """Disjoint, sorted [start, end] spans covering the same time as `spans`."""
-    merged = []
+def _covered(spans):
+    """The time that the [start, end] `spans` cover, overlaps counted once."""
+    total, reach = 0, float("-inf")
     for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _length(spans):
-    return sum(end - start for start, end in spans)
-
-
-def _overlap(a, b):
-    """Time two lists of disjoint, sorted spans share (one pass over both)."""
-    i = j = total = 0
-    while i < len(a) and j < len(b):
-        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
+        total += max(0, end - max(start, reach))
+        reach = max(reach, end)
     return total

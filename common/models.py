@@ -1,14 +1,7 @@
-"""The networks of the numbered scripts. Each takes uint8 images [N, 3, H, W] and normalises them itself.
-
-* `resnet18` (default): the CIFAR-10 variant of ResNet-18 (3x3 stem, no max-pool) from
-  kuangliu/pytorch-cifar, which reports 93.02% test accuracy on CIFAR-10 with SGD and a cosine
-  schedule (see the README for the recipe and our own measurements). 11.2 M parameters.
-* `cnn`: a small 3-layer network (0.09 M parameters) for CPU smoke runs and tests. It uses
-  GroupNorm, which normalises each image on its own: a batch split across processes gives
-  exactly the gradient of the whole batch (batch norm would not, unless synchronised).
-
-Both take num_classes and the data's per-channel mean and std (0-1 scale) as keywords, as a
-torchvision constructor takes num_classes: `resnet18(num_classes=10, mean=..., std=...)`.
+"""The networks: each takes uint8 images [N, 3, H, W], normalises them itself, and takes num_classes and the data's
+per-channel mean and std (0-1 scale) as keywords. resnet18 (default): the CIFAR-10 ResNet-18 of kuangliu/pytorch-cifar
+(3x3 stem, no max-pool; 93.02% there with SGD and a cosine schedule), 11.2 M parameters, 20 batch norms. cnn: 0.09 M
+parameters for CPU runs and tests, with GroupNorm (per image: a batch split across processes gives the same gradient).
 """
 import torch
 import torch.nn as nn
@@ -18,9 +11,8 @@ from .cli import UserError
 
 
 class Normalize(nn.Module):
-    """uint8 images [0, 255] in, float out: (x - mean) / std per channel, in the dtype of the model (fp32, or bf16
-    under DeepSpeed). A float input (already scaled or normalised by a transform) is refused in one line: it would
-    be divided by 255 a second time without a word."""
+    """uint8 images [0, 255] in, (x - mean) / std per channel out, in the model's dtype. A float input (scaled or
+    normalised by a transform already) is refused in one line: it would be divided by 255 a second time."""
 
     def __init__(self, mean, std):
         super().__init__()
@@ -38,22 +30,18 @@ class Normalize(nn.Module):
 class BasicBlock(nn.Module):
     def __init__(self, in_planes, planes, stride):
         super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+        self.conv1, self.bn1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes)
+        self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False), nn.BatchNorm2d(planes)
+        self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)) if (
+            stride != 1 or in_planes != planes) else nn.Sequential()
 
     def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
         return F.relu(out + self.shortcut(x))
 
 
-class ResNet18(nn.Module):
-    def __init__(self, num_classes, mean, std):
+class resnet18(nn.Module):  # noqa: N801 (named as torchvision's constructors are)
+    def __init__(self, *, num_classes, mean, std):
         super().__init__()
         self.normalize = Normalize(mean, std)
         self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
@@ -66,14 +54,12 @@ class ResNet18(nn.Module):
         self.linear = nn.Linear(512, num_classes)
 
     def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(self.normalize(x))))
-        out = self.layers(out)
-        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
-        return self.linear(out)
+        out = self.layers(F.relu(self.bn1(self.conv1(self.normalize(x)))))
+        return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
-class SmallCNN(nn.Module):
-    def __init__(self, num_classes, mean, std):
+class cnn(nn.Module):  # noqa: N801
+    def __init__(self, *, num_classes, mean, std):
         super().__init__()
         self.normalize = Normalize(mean, std)
         self.features = nn.Sequential(
@@ -86,14 +72,3 @@ class SmallCNN(nn.Module):
     def forward(self, x):
         out = self.features(self.normalize(x))
         return self.classifier(F.adaptive_avg_pool2d(out, 1).flatten(1))
-
-
-def resnet18(*, num_classes, mean, std):
-    return ResNet18(num_classes, mean, std)
-
-
-def cnn(*, num_classes, mean, std):
-    return SmallCNN(num_classes, mean, std)
-
-
-ARCHS = {"resnet18": resnet18, "cnn": cnn}  # the --arch choices of the numbered scripts (the first is the default)

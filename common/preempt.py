@@ -1,19 +1,12 @@
-"""Stopping cleanly on request: Slurm sends SIGTERM to every process of a job before it kills it (scancel,
-preemption, the time limit), and `#SBATCH --signal=USR1@120` asks for SIGUSR1 two minutes before the time limit
-(slurm/). Stop catches both; the training loop asks stop.requested(step) after each optimizer step and leaves the
-epoch when it says so; the step saves where it stopped (checkpoint-epochNNNN-stepSSSSSS.pt) and exits with
-EXIT_REQUEUE, on which the batch scripts requeue the job; `--resume auto` goes on exactly there.
+"""Stopping cleanly on request. Slurm sends SIGTERM to every process of a job before it kills it (scancel, preemption,
+the time limit); `#SBATCH --signal=USR1@120` asks for SIGUSR1 two minutes early (slurm/). Stop catches both; the loop
+asks stop.requested(steps) after each optimizer step, and the step saves where it stopped and exits EXIT_REQUEUE, on
+which the batch scripts requeue the job. Every rank must stop after the same step: the step gives Stop `agree(flag)`,
+a collective that starts a max over ranks of a one-element CPU tensor without waiting and returns what waits for it;
+Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived.
 
-With several processes every rank must stop after the same step. The step gives Stop its `agree(flag)`: a
-collective that starts a max over ranks of a one-element CPU tensor in place, without waiting, and returns what waits
-for it. Stop starts one every CHECK_EVERY steps and reads it at the next look, by when it has long arrived: no step
-waits for it.
-
-Processes started after Stop() (DataLoader workers above all) inherit the two signals blocked: Slurm signals every
-process of the job step, and a worker that died of it would take the training process down with it. At exit,
-multiprocessing ends its daemonic children (the loaders' persistent workers) with SIGTERM and waits for them: blocked,
-it would wait forever for a loader that the garbage collector has not freed yet. So Stop() also has the exit end
-them with SIGKILL first, whenever the collector runs.
+Processes started after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's signal kill a worker
+and the training process with it; the exit ends them with SIGKILL (end_workers_at_exit), as SIGTERM would wait forever.
 """
 import atexit
 import contextlib
@@ -59,8 +52,8 @@ class Stop:
 
     def requested(self, steps=CHECK_EVERY, wait=False):
         """After `steps` optimizer steps of this epoch: True once the ranks agreed that one of them received a signal.
-        Collective when `steps` is a multiple of CHECK_EVERY (every rank calls it after the same steps): it reads the
-        agreement the previous look started and starts the next; wait=True also waits for that one."""
+        Collective when `steps` is a multiple of CHECK_EVERY: it reads the agreement the previous look started and
+        starts the next (wait=True: and waits for it)."""
         if self.stopped or self._agree is None:  # one process: no one to agree with
             self.stopped = self.stopped or self.signal is not None
             return self.stopped

@@ -3,12 +3,9 @@ import math
 
 
 def warmup_cosine(epochs, steps_per_epoch, warmup_epochs):
-    """A LambdaLR factor function: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 at the end of the last epoch.
-
-    A plain function on purpose: LambdaLR saves no state for it, so checkpoints stay loadable with
-    weights_only=True. It carries `steps_per_epoch` (not saved either): a checkpoint of a run with other batch
-    arithmetic is placed on this schedule by its progress in epochs (checkpoint.restore).
-    """
+    """A LambdaLR factor function: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 at the end of the last epoch. A
+    plain function: LambdaLR saves no state of it (weights_only=True loads checkpoints). It carries `steps_per_epoch`,
+    by which checkpoint.resume places a run of other batch arithmetic by its progress in epochs."""
     total_steps, warmup_steps = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
 
     def factor(step):

@@ -36,9 +36,9 @@ import launchers  # noqa: E402
 from common import data, metrics  # noqa: E402
 from common.cli import UserError, exits_cleanly, non_negative_int, positive_float, positive_int  # noqa: E402
 from launchers import BIN, REPO  # noqa: E402
-from common.synthetic import write_synthetic_cifar10  # noqa: E402
+from synthetic import write_synthetic_cifar10  # noqa: E402
 
-NOTE = ("SYNTHETIC DATA (common.synthetic, textures): test accuracy and loss are not CIFAR-10 figures; "
+NOTE = ("SYNTHETIC DATA (scripts/synthetic.py, textures): test accuracy and loss are not CIFAR-10 figures; "
         "throughput does not depend on the pixel values")
 Step = collections.namedtuple("Step", "number launcher multi_process library")  # launcher: launchers.py'
 # One row of the table: a step with its processes (None: --nproc) and its ZeRO stage (05; None: ds_config.json's).

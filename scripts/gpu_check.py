@@ -3,7 +3,7 @@
     bash scripts/gpu_check.sh [--steps 02,04] [--dry-run --gpus 4] [-- flags for every run]   # docs/benchmark-gpu.md
     python scripts/gpu_check.py --rehearse-on-cpu --steps 02 -- --arch cnn --amp off --workers 0   # its machinery
 
-On generated data (common.synthetic --easy), each step as the README starts it (02 also with --amp fp16, and --amp
+On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with --amp fp16, and --amp
 bf16 where the GPU computes it natively); after each default run a resume check: 2 epochs uninterrupted against
 --stop-after 1 then --resume auto, deterministic kernels, every rank's weights-rank*.sha256 equal in both. Measured:
 img/s of epochs 2..E, peak GPU memory, and for 02 its loop against its own train_one_epoch on batches already on the
@@ -262,7 +262,7 @@ def main(argv=None):
                 say(f"  {shown(command(run, work / 'data' / 'resume', base / out, 2, flags, *more))}")
         return 0
     device, gpus, name = find_device(args)
-    from common.synthetic import write_synthetic_cifar10
+    from synthetic import write_synthetic_cifar10
 
     hide = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"} if args.rehearse_on_cpu else {}  # all on the CPU
     c = types.SimpleNamespace(**vars(args), work=work, device=device, flags=flags, data=work / "data" / "timed",
@@ -280,7 +280,7 @@ def main(argv=None):
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed, "runs": rows,
                "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",
                "command": shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
-               "data": f"common.synthetic --easy, {args.train_size} / {args.test_size} images, {args.epochs} epochs "
+               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, {args.epochs} epochs "
                        f"(img/s of 2..{args.epochs}); resume check {small[0]} / {small[1]}, 2 epochs"}
     (work / "results.json").write_text(json.dumps(results, indent=2))
     doc = work / DOC.name if args.rehearse_on_cpu else DOC

@@ -65,10 +65,10 @@ def once(tmp_path_factory, name, make):
 
 
 def synthetic(folder, *flags):
-    """Write a synthetic CIFAR-10 into `folder` with `python -m common.synthetic --data-dir FOLDER FLAGS`, run in this
+    """Write a synthetic CIFAR-10 into `folder` with `python scripts/synthetic.py --data-dir FOLDER FLAGS`, run in this
     process (its main(), which that command calls): the data is the same, without a torch import of its own. The
     command itself runs in tests/test_readme.py's quick start."""
-    from common.synthetic import main
+    from synthetic import main
 
     main(["--data-dir", str(folder), *map(str, flags)])
     return folder

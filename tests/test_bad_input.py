@@ -45,12 +45,17 @@ def bad_cases(tmp_path, cifar_dir):
     shutil.copytree(cifar_dir, damaged)
     batch = damaged / "cifar-10-batches-py" / "data_batch_2"
     batch.write_bytes(batch.read_bytes()[:1000])
+    meta = tmp_path / "damaged-meta"
+    shutil.copytree(cifar_dir, meta)
+    (meta / "cifar-10-batches-py" / "batches.meta").write_bytes(b"not a pickle")
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "corrupt.pt").write_bytes(b"PK\x03\x04 truncated")
     torch.save({"state_dict": {}}, tmp_path / "foreign.pt")
     return {
         "data-dir-is-a-file": (["--data-dir", tmp_path / "a-file"], "is a file"),
         "truncated-batch": (["--data-dir", damaged], "data_batch_2 ("),  # names the damaged file
+        "damaged-meta": (["--data-dir", meta], "batches.meta ("),
+        "resume-empty": (["--resume", ""], "no such file"),  # --resume "$CKPT" with CKPT unset
         "out-dir-unwritable": (["--out-dir", tmp_path / "a-file" / "out"], "--out-dir"),
         "resume-missing": (["--resume", tmp_path / "nope.pt"], "no such file"),
         "resume-corrupt": (["--resume", tmp_path / "corrupt.pt"], "not a readable checkpoint"),
@@ -165,7 +170,7 @@ def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure
         root_cause = proc.output.partition("Root Cause")[2]  # a rank torchrun stopped is listed above it, <N/A>
         assert cause in root_cause and "<N/A>" not in root_cause, proc.output
     if failure == "offline-no-data":
-        assert "python -m common.synthetic" in proc.output and "cifar-10-python.tar.gz" in proc.output
+        assert "python scripts/synthetic.py" in proc.output and "cifar-10-python.tar.gz" in proc.output
 
 
 def test_a_fresh_run_into_another_runs_folder_is_refused_and_loses_nothing(tmp_path, data, run01):

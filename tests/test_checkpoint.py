@@ -209,6 +209,21 @@ def test_overwrite_replaces_the_earlier_run_and_nothing_else(tmp_path, capsys):
         checkpoint.make_out_dir(str(tmp_path / "again"), str(tmp_path / "again" / "checkpoint-epoch0005.pt"), True)
 
 
+@pytest.mark.parametrize("resume", ["typo.pt", "ds_checkpoints/epoch0009", ""])
+def test_a_resume_path_that_does_not_exist_stops_before_overwrite_deletes_anything(tmp_path, resume):
+    """--resume of a mistyped path (or an empty $VARIABLE) with --overwrite: the one line says there is no such file,
+    before --overwrite has touched the run in --out-dir."""
+    from common.cli import shared_parser
+
+    before = an_earlier_run(tmp_path / "out")
+    args = shared_parser("test", "test", {"cnn": None}).parse_args(
+        ["--out-dir", str(tmp_path / "out"), "--resume", resume and str(tmp_path / "out" / resume), "--overwrite"])
+    with pytest.raises(UserError, match="no such file"):
+        checkpoint.settings(args).apply(args)
+        checkpoint.resume(args)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+
+
 def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(tmp_path):
     model = torch.nn.Linear(2, 2)
     checkpoint.save(str(tmp_path), step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
@@ -245,6 +260,7 @@ def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, mo
     assert not (tmp_path / "not-here").exists(), "only rank 0 prepares --out-dir"
     with pytest.raises(UserError, match="the error rank 0 met"):
         checkpoint.Settings(error="the error rank 0 met").apply(other)
+    assert checkpoint.Settings().values == {}
 
 
 def test_common_has_no_import_cycle():

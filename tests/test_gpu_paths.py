@@ -113,7 +113,7 @@ class NoStop:
 def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=torch.float16, count=4):
     """Step `step`'s train_one_epoch over one epoch of one optimizer step (4 images)."""
     from common import metrics
-    from common.synthetic import make_images
+    from synthetic import make_images
 
     images, labels = make_images(count, seed=0, kind="easy")
     sampler = data.EpochSampler(torch.utils.data.DistributedSampler(data.CIFAR10Tensors(images, labels, train=True),

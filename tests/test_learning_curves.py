@@ -2,7 +2,7 @@
 `curves`), on data that needs learning.
 
 The recipe: the small cnn, global batch 64 (1 x 64 or 2 x 32), peak lr 0.1 with the shared warm-up and cosine
-schedule, seed 0, fp32, 2 epochs, on the `textures` kind of common/synthetic.py (no cheap feature separates its
+schedule, seed 0, fp32, 2 epochs, on the `textures` kind of scripts/synthetic.py (no cheap feature separates its
 classes; the cnn goes from chance after epoch 1 to about 86% after epoch 2). Measured: every step within 0.2
 points of 01 (86.0 vs 85.8), so arithmetic alone (summation order across processes, kernels) stays far inside the
 tolerance, while a step a whole epoch behind would sit near chance. Step 05 with the ds_config.json and schedule

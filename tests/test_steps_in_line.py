@@ -36,6 +36,7 @@ PLUMBING = "plumbing:"
 MARKERS = {step: marker for _, step, marker in PAIRS}  # a script's own lesson marker
 MAX_LINES, MAX_LINES_01 = 300, 180
 MAX_NAMES = 15
+MAX_COMMON = 1200  # lines in all of common/
 SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
             "train one epoch", "evaluate", "checkpoint", "main"]
 # Calls where every rank must take part. From 04 on, a backward pass is one too (the gradients' all-reduce).
@@ -200,6 +201,48 @@ def test_a_reader_looks_up_at_most_15_names_of_common(path):
     names = common_names(path)
     print(f"{path}: {len(names)} names of common/: {sorted(names)}")
     assert len(names) <= MAX_NAMES, sorted(names)
+
+
+# What would make common/ do a method's work: importing a parallelism library, or meeting the other ranks (issue 38's
+# grep, and any use of torch.distributed).
+METHOD_OR_COLLECTIVE = re.compile(r"import deepspeed|horovod|apex|distributed.checkpoint|fsdp|all_reduce|broadcast|"
+                                  r"barrier|new_group|all_gather|torch\.distributed|\bdist\.")
+
+
+def test_common_is_small_and_does_no_method_work():
+    """common/ reads the data, builds the models, writes the checkpoint format, the schedule, the command line and the
+    log: at most MAX_COMMON lines, no parallelism library, no torch.distributed (so no collective); its comments and
+    docstrings may name them."""
+    import io
+    import tokenize
+
+    files = sorted((REPO / "common").glob("*.py"))
+    total = sum(len(path.read_text().splitlines()) for path in files)
+    assert total <= MAX_COMMON, f"common/ has {total} lines, at most {MAX_COMMON}"
+    found = []
+    for path in files:
+        source = path.read_text()
+        docstrings = {node.body[0].lineno for node in ast.walk(ast.parse(source)) if isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node, clean=False) is not None}
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and token.start[0] in docstrings):
+                continue
+            if METHOD_OR_COLLECTIVE.search(token.string):
+                found.append(f"{path.name}:{token.start[0]}: {token.line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_common_check_finds_a_collective(tmp_path, monkeypatch):
+    """The check above is not blind: a collective in a copy of common/ fails it."""
+    import shutil
+
+    shutil.copytree(REPO / "common", tmp_path / "common")
+    metrics = tmp_path / "common" / "metrics.py"
+    metrics.write_text(re.sub(r"COLLECTIVE = .*", "COLLECTIVE = torch.distributed.all_reduce  # a collective",
+                              metrics.read_text()))
+    monkeypatch.setattr("test_steps_in_line.REPO", tmp_path)
+    with pytest.raises(AssertionError, match="metrics.py:.*all_reduce"):
+        test_common_is_small_and_does_no_method_work()
 
 
 def test_unmarked_drift_is_caught(tmp_path, monkeypatch):

@@ -1,30 +1,26 @@
-"""Write a small, learnable stand-in for CIFAR-10 in the real on-disk format.
+"""A small, learnable stand-in for CIFAR-10 in the real on-disk format: `python scripts/synthetic.py --data-dir D`.
 
-    python -m common.synthetic --data-dir data/synthetic [--train-size 5000 --test-size 1000]
-
-It writes `cifar-10-batches-py/` (data_batch_1..5, test_batch, batches.meta) exactly as the
-official python version lays it out: pickled dicts with `data` (uint8, N x 3072, channel-major),
-`labels`, and `label_names` in batches.meta. The training scripts read it with torchvision's
-CIFAR10 class like the real thing. batches.meta also carries `synthetic: True`, so every run on
-it says that its numbers are not CIFAR-10 numbers.
-
-Two kinds of images:
-* textures (default): each class is a stripe pattern (orientation and frequency) in a random colour on a
-  random background, under noise, with a contrast from barely visible to strong. No cheap feature (mean
-  colour, one pixel) separates the classes; the small cnn needs 2-3 epochs (batch 64, lr 0.1) to pass 80%,
-  and a step that learns more slowly is visibly behind after 2 epochs. The tests compare the steps on it.
-* easy (`--easy`): each class also has its own colour tint, so the mean colour alone separates it; every
-  step solves it in an epoch or two. For tests of mechanics (resume, launchers), where speed matters.
+It writes `cifar-10-batches-py/` as the official python version lays it out (pickled dicts with `data`, uint8, N x
+3072, channel-major, `labels`, and `label_names` in batches.meta), which the steps read with torchvision's CIFAR10
+class; batches.meta also says `synthetic: True`, so that every run on it says its numbers are not CIFAR-10's.
+textures (default): each class a stripe pattern (orientation, frequency) in a random colour on a random background,
+under noise, with a contrast from barely visible to strong: no cheap feature (mean colour, one pixel) tells the class;
+the small cnn needs 2-3 epochs (batch 64, lr 0.1) to pass 80%. --easy: each class also has a colour tint of its own,
+solved in an epoch or two, for tests of mechanics.
 """
 import argparse
 import math
 import os
 import pickle
+import sys
+from pathlib import Path
 
 import torch
 
-from .cli import exits_cleanly, non_negative_int, positive_int, UserError
-from .data import CLASSES, FOLDER
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `common` lives at the repository root
+
+from common.cli import exits_cleanly, non_negative_int, positive_int, UserError  # noqa: E402
+from common.data import CLASSES, FOLDER  # noqa: E402
 
 
 def make_images(count, seed, kind="textures"):
@@ -85,7 +81,7 @@ def write_synthetic_cifar10(data_dir, train_size=5000, test_size=1000, seed=0, k
     with open(os.path.join(folder, "batches.meta"), "wb") as f:
         pickle.dump(meta, f, protocol=2)
     with open(os.path.join(folder, "README.txt"), "w") as f:
-        f.write("SYNTHETIC stand-in for CIFAR-10 written by `python -m common.synthetic`; "
+        f.write("SYNTHETIC stand-in for CIFAR-10 written by `python scripts/synthetic.py`; "
                 "not real images. Accuracy on it says nothing about CIFAR-10.\n")
     return folder
 
@@ -104,8 +100,9 @@ def main(argv=None):
     if args.train_size < 5:
         raise UserError("--train-size must be at least 5 (one image per data_batch file)")
     if os.path.isfile(os.path.join(args.data_dir, FOLDER, "data_batch_1")):
-        from .data import is_synthetic
-        if not is_synthetic(args.data_dir):
+        with open(os.path.join(args.data_dir, FOLDER, "batches.meta"), "rb") as f:
+            real = not pickle.load(f, encoding="latin1").get("synthetic")
+        if real:
             raise UserError(f"{args.data_dir} holds real CIFAR-10; refusing to overwrite it: pick another --data-dir")
     try:
         folder = write_synthetic_cifar10(args.data_dir, args.train_size, args.test_size, args.seed, args.kind)
