@@ -1,13 +1,11 @@
-"""The one checkpoint format every step writes and reads, and continuing a run from it.
-
-checkpoint-epochNNNN.pt in --out-dir (NNNN epochs done; -stepSSSSSS for a run stopped SSSSSS optimizer steps into the
-next epoch) is a torch.save'd dict, loaded with weights_only=True (a file that would run code is refused): format,
-step (the script that wrote it), arch, model (the bare model's state_dict), optimizer (its state_dict, or None),
-scheduler, scaler, epoch (done), global_step, rng (CPU and accelerator generators), args (the run's plain settings),
-processes, metrics (the epoch's metrics.jsonl row, or a part-way epoch's so far) and synthetic. The newest 3 are kept
-(of the part-way ones only the newest), each written to a temporary file and renamed into place: a crash, even SIGKILL
-during the save, never leaves a truncated file under a checkpoint name. Tensors are saved in the plain layout.
-"""
+"""The one checkpoint format every step writes and reads, and continuing a run from it. checkpoint-epochNNNN.pt in
+--out-dir (NNNN epochs done; -stepSSSSSS for a run stopped SSSSSS optimizer steps into the next epoch) is a torch.save'd
+dict, loaded with weights_only=True (a file that would run code is refused): format, step (the script that wrote it),
+arch, model (the bare model's state_dict), optimizer (its state_dict, or None), scheduler, scaler, epoch (done),
+global_step, rng (CPU and accelerator generators), args (the run's plain settings), processes, metrics (the epoch's
+metrics.jsonl row, or a part-way epoch's so far) and synthetic. The newest 3 are kept (of the part-way ones only the
+newest), each written to a temporary file and renamed into place: a crash, even SIGKILL during the save, never leaves a
+truncated file under a checkpoint name. Tensors are saved in the plain layout."""
 import contextlib
 import glob
 import hashlib
@@ -156,6 +154,9 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
         for target, saved in ((model, state.get("model")), (optimizer, state.get("optimizer")), (scaler, state.get("scaler"))):
             if target is not None and saved is not None and (saved or target is not scaler):  # {}: a disabled scaler's
                 getattr(target, "load_state_dict", target)(saved)
+        for p in [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if p in optimizer.state]:
+            optimizer.state[p].update({key: torch.empty_like(p, dtype=value.dtype).copy_(value) for key, value in  # saved
+                                       optimizer.state[p].items() if torch.is_tensor(value) and value.shape == p.shape})
         steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
         steps_then = row.get("of_steps", row.get("steps")) or (global_step // state["epoch"] if state["epoch"] else None)
         if scheduler is not None and state.get("scheduler") and steps_then in (None, steps_now):
@@ -179,8 +180,9 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
     if verbose:
         where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}" if row.get("partial")
                  else f"epoch {state['epoch']}")
-        weights_only = ": weights only, momentum starts from zero" if optimizer is None and model is not None else ""
-        print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}{weights_only}")
+        weights = model is not None and None in (optimizer, state.get("optimizer"))  # 05 reads, or wrote, weights only
+        print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}"
+              + ": weights only, momentum starts from zero" * weights)
     return state["epoch"], global_step, ({row["epoch"]: row} if row.get("partial") else {})
 
 
@@ -268,9 +270,8 @@ def write_digest(out_dir, rank, model_state):
 
 
 def make_out_dir(out_dir, resume=None, overwrite=False):
-    """Check that --out-dir can be written before any training time is spent. A run owns its folder: one that holds
-    another run's checkpoints is refused (with the fix) unless this run continues it (--resume auto, or --resume of its
-    newest checkpoint or of its own folders) or replaces it (--overwrite)."""
+    """Check --out-dir before training: writable, and not another run's (its checkpoints) unless this run continues it
+    (--resume auto, or of its newest checkpoint or its own folders) or replaces it (--overwrite)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
     held = [os.path.basename(path) for path in list_checkpoints(out_dir)] + [
@@ -293,10 +294,10 @@ def make_out_dir(out_dir, resume=None, overwrite=False):
                         "runs (and the newest-3 rule would delete the new checkpoints): pass another --out-dir, or "
                         "--overwrite to replace that run")
     # Leftovers: saves killed before their rename, an earlier run's weight digests (more ranks' would disagree).
-    for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256"):
-        for leftover in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
-            with contextlib.suppress(OSError):
-                os.remove(leftover)
+    for leftover in [path for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256")
+                     for path in glob.glob(os.path.join(glob.escape(out_dir), pattern))]:
+        with contextlib.suppress(OSError):
+            os.remove(leftover)
     existing = os.path.abspath(out_dir)  # writable? the folder is made by the first write
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

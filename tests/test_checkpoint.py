@@ -98,6 +98,48 @@ def resumed(path, **objects):
     return checkpoint.resume(SimpleNamespace(resume=str(path), out_dir=os.path.dirname(path), arch="cnn"), **objects)
 
 
+def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_path, capsys):
+    """05 writes (and reads) weights only: a step that resumes its checkpoint says that momentum starts from zero."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1, global_step=5,
+                           model_state=model.state_dict())
+    resumed(path, model=model, optimizer=optimizer)
+    assert "written by 05_cifar10_deepspeed): weights only, momentum starts from zero" in capsys.readouterr().out
+    checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=2, global_step=10,
+                    model_state=model.state_dict(), optimizer=optimizer)
+    resumed(checkpoint.checkpoint_path(str(tmp_path), 2), model=model, optimizer=optimizer)
+    assert "momentum" not in capsys.readouterr().out
+
+
+def test_resumed_optimizer_state_has_its_parameter_s_layout(tmp_path):
+    """Checkpoints store tensors plainly; a channels_last model's momentum comes back channels_last, like its
+    parameter (Apex's fused SGD combines them in memory order), and the resumed run still steps bit for bit alike."""
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(model, optimizer):
+        model(torch.ones(2, 3, 5, 5).to(memory_format=torch.channels_last)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    path = checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=1, global_step=1,
+                           model_state=model.state_dict(), optimizer=optimizer)
+    assert not torch.load(path, weights_only=True)["optimizer"]["state"][0]["momentum_buffer"].is_contiguous(
+        memory_format=torch.channels_last), "saved plainly"
+    again, its_optimizer = model_and_optimizer()
+    resumed(path, model=again, optimizer=its_optimizer)
+    weight = again.weight
+    assert its_optimizer.state[weight]["momentum_buffer"].stride() == weight.stride() != (27, 9, 3, 1)
+    step(model, optimizer)
+    step(again, its_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
 def fresh_schedule(epochs=10, steps_per_epoch=10):
     from common.schedule import warmup_cosine
 
