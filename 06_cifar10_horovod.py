@@ -158,7 +158,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         if last_pass and stop.requested((step + 1) // args.grad_accum):
             break
     totals = hvd.allreduce(totals, op=hvd.Sum, name="train_totals")  # Horovod: collective: sums (default: average)
-    timing = meter.timing()  # DDP: this rank's timing in its own slots; the max over ranks fills every rank's
+    timing = meter.timing().to(device)  # DDP: this rank's timing in its slots (on the device: NCCL takes no CPU tensor)
     timing = hvd.allreduce(timing, op=hvd.Max, name="timing")  # Horovod: collective
     return meter.row(totals, timing)  # DDP: the row holds every rank's timing
 

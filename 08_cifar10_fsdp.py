@@ -161,7 +161,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         if last_pass and stop.requested((step + 1) // args.grad_accum):
             break
     dist.all_reduce(totals)  # DDP: collective: every rank saw different images; the sums over ranks
-    timing = meter.timing()  # DDP: this rank's timing in its own slots; the max over ranks fills every rank's
+    timing = meter.timing().to(device)  # DDP: this rank's timing in its slots (on the device: NCCL takes no CPU tensor)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # DDP: collective
     return meter.row(totals, timing)  # DDP: the row holds every rank's timing
 
