@@ -143,3 +143,19 @@ def test_importing_any_part_of_common_makes_torchvision_importable():
     code = "import common.cli, torchvision, torchvision.models; print(torchvision.models.resnet18(num_classes=5).fc)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True)
     assert proc.returncode == 0 and "out_features=5" in proc.stdout, proc.stderr
+
+
+def test_importing_common_leaves_torchdynamo_unloaded_and_compile_working():
+    """torchvision's import would load all of TorchDynamo (1 s of every process); common/_torchvision.py defers it,
+    and the function torchvision took from it, torch.compile and torch._dynamo itself still work."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, env
+
+    code = ("import sys, torch, common; assert 'torch._dynamo' not in sys.modules, 'loaded'; "
+            "assert sys.modules['torchvision.ops.roi_align'].is_compile_supported('cpu'); "
+            "f = torch.compile(lambda x: x * 2 + 1, backend='eager'); print(f(torch.ones(2)).tolist(), "
+            "torch._dynamo.utils.is_compile_supported('cpu'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == ["[3.0,", "3.0]", "True"], proc.stdout + proc.stderr
