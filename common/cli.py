@@ -22,8 +22,7 @@ class UserError(Exception):
     """A problem the user can fix: one line (with the fix), exit status 2. A step says the same with sys.exit("...")."""
 
 
-# What a collective's failure says when a peer process is gone (gloo, NCCL, Horovod), when a group cannot form, and
-# when a collective waited past --dist-timeout (gloo; NCCL's watchdog ends the process itself).
+# A collective's failure when a peer is gone (gloo, NCCL, Horovod), a group cannot form, or --dist-timeout passed.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
              "NCCL communicator was aborted", "HorovodInternalError")
 CONNECT_FAILED, TIMED_OUT = "connectFullMesh failed", ("Timed out waiting", "failed to pass monitoredBarrier")
@@ -73,12 +72,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         """Usage and the error once per job: under a launcher every rank parses the same arguments; rank 0 says it."""
-        if rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        else:  # a rank that ended first would have the launcher stop rank 0 before it says why: let rank 0 end first
+        if rank() != 0:  # a rank that ended first would have the launcher stop rank 0 before it says why
             time.sleep(30)
-        sys.exit(2)
+            sys.exit(2)
+        super().error(message)
 
 
 def shared_parser(description, step, archs):
@@ -165,9 +162,8 @@ def exits_cleanly(main):
 
 
 def share_the_cores():
-    """Several processes on one machine share its cores: torch's threads per process = cores / local processes, where
-    the launcher did not say (torchrun sets OMP_NUM_THREADS=1; DeepSpeed's and Horovod's launchers set nothing, and N
-    processes with a thread per core each run ~10x slower on a CPU). OMP_NUM_THREADS overrides it."""
+    """Threads per process = cores / processes on this machine, unless OMP_NUM_THREADS says (torchrun sets 1; DeepSpeed's
+    and Horovod's launchers set nothing, and N processes with a thread per core each run ~10x slower on a CPU)."""
     names = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "HOROVOD_LOCAL_SIZE")
     local = int(next((os.environ[k] for k in names if k in os.environ), 1))
     if local > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -178,9 +174,8 @@ EXIT_WAIT = 30  # seconds the interpreter's exit may take (its threads and exit 
 
 
 def bound_the_exit():
-    """From now on this process cannot hang silently at its exit: an exit still not done EXIT_WAIT seconds after it began
-    (a thread or child process that does not end) ends it with one line and exit status 1 (common/preempt.py ends the
-    DataLoader workers, which could hold it forever)."""
+    """An exit of this process still not done EXIT_WAIT seconds after it began (a thread or child process that does not
+    end; preempt.py ends the DataLoader workers) ends it with one line and exit status 1, not a silent hang."""
     if not getattr(bound_the_exit, "watching", False):
         bound_the_exit.watching = True
         threading.Thread(target=_watch_the_exit, daemon=True, name="exit-watch").start()
@@ -205,9 +200,8 @@ def amp_dtype(choice, device):
 
 
 def amp_choice(choice, device):
-    """(dtype or None, why). auto: what `device` computes natively: bf16 where it does (CPUs with AVX512-BF16 or AMX,
-    ARM CPUs with BF16, GPUs from Ampere on, Intel GPUs), else fp32 on a CPU (there bf16 is emulated, several times
-    slower) and fp16 with loss scaling (GradScaler) on older CUDA GPUs."""
+    """(dtype or None, why). auto: bf16 where `device` computes it natively (CPUs with AVX512-BF16, AMX or ARM BF16, GPUs
+    from Ampere on, Intel GPUs), else fp32 on a CPU (bf16 is emulated there) and fp16 with loss scaling on CUDA."""
     if choice == "fp16" and device.type == "cpu":
         raise UserError("--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp off")
     native, name = native_bf16(device)

@@ -4,12 +4,14 @@ import contextlib
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import time
 
 import torch
 import torch.profiler as tp
+from tqdm import tqdm
 
 from .checkpoint import checkpoint_path, load, write_digest
 from .cli import UserError, amp_choice, processes, rank
@@ -130,8 +132,6 @@ def peak_memory_mb(device):
             return torch.accelerator.max_memory_allocated(device) / 2**20
     with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # KiB
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -153,6 +153,8 @@ class Meter:
     def start(self, part, skipped):
         """An epoch begins; `part`: the row a stopped run saved for it, whose `skipped` steps this run does not do."""
         self.part, self.skipped, self.passes, self.data_seconds, self.arrivals = part or {}, skipped, 0, 0.0, []
+        self.bar = tqdm(total=self.of_steps, initial=skipped, unit="step", leave=False,  # rank 0, on a terminal
+                        disable=rank() != 0 or not sys.stderr.isatty())
         self.begin = self.ready = time.perf_counter()
 
     def batch_in_hand(self):
@@ -164,6 +166,7 @@ class Meter:
         self.passes += 1
 
     def batch_done(self):
+        self.bar.update(self.passes % self.grad_accum == 0)  # an optimizer step is done
         self.ready = time.perf_counter()
 
     def timing(self):
@@ -179,6 +182,7 @@ class Meter:
         """The training half of the epoch's row from totals = (loss sum, images) summed over ranks and `timing` gathered
         (None: one process), the part a stopped run saved merged in; "partial" if it stopped part-way."""
         self._profile_stop()
+        self.bar.close()
         part, steps = self.part, self.skipped + self.passes // self.grad_accum
         loss_sum, seen = totals.tolist()
         loss_sum, seen = loss_sum + part.get("train_loss", 0.0) * part.get("images", 0), seen + part.get("images", 0)
@@ -227,9 +231,8 @@ DATA = "enumerate(DataLoader)#"
 
 
 def _shares(events):
-    """{compute, communication, data}: seconds of a trace. data: the loop's waits for its batches. compute: its
-    thread's operators (aten::, or a torch.compile'd region), outside them. communication: a collective in flight on
-    any thread (gloo's run on threads of their own) while that thread computes nothing and waits for no data."""
+    """Seconds of a trace: data, the loop's waits for batches; compute, its thread's operators outside them; communication,
+    a collective in flight on any thread (gloo's have their own) while the loop computes nothing and has its data."""
     from collections import Counter
 
     main = next((e.thread for e in events if e.name.startswith("Optimizer.step")),  # the training loop's thread

@@ -11,13 +11,11 @@ from .cli import UserError
 
 
 class Normalize(nn.Module):
-    """uint8 images [0, 255] in, (x - mean) / std per channel out, in the model's dtype. A float input (scaled or
-    normalised by a transform already) is refused in one line: it would be divided by 255 a second time."""
+    """uint8 images [0, 255] in, (x - mean) / std per channel out, in the model's dtype; float input is refused."""
 
     def __init__(self, mean, std):
         super().__init__()
-        # Not persistent: the constants are code, not weights, so checkpoints hold only what was learnt.
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255, persistent=False)
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255, persistent=False)  # code, not weights
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1) * 255, persistent=False)
 
     def forward(self, x):

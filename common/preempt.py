@@ -3,11 +3,9 @@ the time limit); `#SBATCH --signal=USR1@120` asks for SIGUSR1 two minutes early 
 asks stop.requested(steps) after each optimizer step, and the step saves where it stopped and exits EXIT_REQUEUE, on
 which the batch scripts requeue the job. Every rank must stop after the same step: the step gives Stop `agree(flag)`,
 a collective that starts a max over ranks of a one-element CPU tensor without waiting and returns what waits for it;
-Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived.
-
-Processes started after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's signal kill a worker
-and the training process with it; the exit ends them with SIGKILL (end_workers_at_exit), as SIGTERM would wait forever.
-"""
+Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived. Processes started
+after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's signal kill a worker and the training
+process with it; the exit ends them with SIGKILL (end_workers_at_exit), as SIGTERM would wait forever."""
 import atexit
 import contextlib
 import multiprocessing
@@ -29,8 +27,7 @@ class Stop:
     """Catches SIGTERM and SIGUSR1 from now on; --stop-after N leaves after N epochs of this run."""
 
     def __init__(self, stop_after=None, agree=None):
-        self.signal = None  # the name of the first signal this process received
-        self.stopped = False  # the ranks agreed to stop
+        self.signal, self.stopped = None, False  # the first signal this process received; the ranks agreed to stop
         self.stop_after, self._agree, self._pending = stop_after, agree, None
         for sig in SIGNALS:  # threads started before now may take a signal: Python runs this handler for them
             signal.signal(sig, lambda signum, frame: self._note(signum))
@@ -51,9 +48,8 @@ class Stop:
             self._note(signal.sigwait(SIGNALS))
 
     def requested(self, steps=CHECK_EVERY, wait=False):
-        """After `steps` optimizer steps of this epoch: True once the ranks agreed that one of them received a signal.
-        Collective when `steps` is a multiple of CHECK_EVERY: it reads the agreement the previous look started and
-        starts the next (wait=True: and waits for it)."""
+        """After `steps` optimizer steps of this epoch: True once the ranks agreed that one received a signal. Collective
+        every CHECK_EVERY steps: reads the agreement the previous look started and starts the next (wait: waits for it)."""
         if self.stopped or self._agree is None:  # one process: no one to agree with
             self.stopped = self.stopped or self.signal is not None
             return self.stopped

@@ -3,9 +3,8 @@ import math
 
 
 def warmup_cosine(epochs, steps_per_epoch, warmup_epochs):
-    """A LambdaLR factor function: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 at the end of the last epoch. A
-    plain function: LambdaLR saves no state of it (weights_only=True loads checkpoints). It carries `steps_per_epoch`,
-    by which checkpoint.resume places a run of other batch arithmetic by its progress in epochs."""
+    """A LambdaLR factor: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 by the last epoch's end; a plain function (no
+    state in checkpoints), carrying `steps_per_epoch` for checkpoint.resume to place other batch arithmetic by epochs."""
     total_steps, warmup_steps = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
 
     def factor(step):

@@ -70,7 +70,8 @@ def zero3(data, tmp_path_factory):
 def test_zero2_bf16_trains_identical_replicas_quietly(run05):
     out, output = run05
     assert_trained(out, epochs=2, ranks=2)
-    assert "ZeRO stage 2, amp bf16, batch 4 per process x 2 processes x 2 accumulation = 16 global" in output
+    assert "ZeRO stage 2, amp bf16" in output  # (+ "as asked; ... emulated" on a CPU without native bf16)
+    assert ", batch 4 per process x 2 processes x 2 accumulation = 16 global" in output
     assert output.count("epoch   2/2") == 1, "only rank 0 logs"
     noise = [line for line in output.splitlines() if line.strip() and not line.startswith(OURS)]
     assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)

@@ -135,6 +135,34 @@ def test_the_stop_flag_costs_no_collective_per_step():
     assert stop.requested() and stop.exit_status() == 75
 
 
+def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_terminal(monkeypatch):
+    """On a terminal rank 0 draws a bar of the epoch's optimizer steps (a resumed epoch starts at the steps done);
+    in a log file, or on another rank, nothing."""
+    import io
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.metrics import Meter
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for rank, stream, shown in (("0", Terminal(), True), ("1", Terminal(), False), ("0", io.StringIO(), False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr("sys.stderr", stream)
+        meter = Meter(SimpleNamespace(grad_accum=2, out_dir=".", profile=0), 5)
+        meter.start({"steps": 1, "of_steps": 5, "images": 4}, 1)
+        for _ in range(4):  # 2 optimizer steps of 2 passes
+            meter.batch_in_hand()
+            time.sleep(0.11)  # tqdm redraws at most every 0.1 s
+            meter.batch_done()
+        meter.row(torch.tensor([8.0, 8.0], dtype=torch.float64))
+        assert ("3/5" in stream.getvalue() and "4/5" not in stream.getvalue()) == shown, (rank, stream.getvalue())
+
+
 def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch):
     """metrics.Meter as rank 0 of 2 over 4 steps, its timing() gathered with rank 1's by a max (the steps'
     all-reduce): rank 1 had each step's batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop.
