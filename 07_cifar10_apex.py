@@ -191,6 +191,8 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         # DDP: collective every 8th step (main's agreement): every rank stops after the same step
         if last_pass and stop.requested((step + 1) // args.grad_accum):
             break
+    for buffer in model.module.buffers() if apex else ():  # Apex: its DDP never syncs buffers (04's: every forward)
+        dist.broadcast(buffer, src=0)  # Apex: collective: rank 0's batch-norm statistics to every rank
     dist.all_reduce(totals)  # DDP: collective: every rank saw different images; the sums over ranks
     timing = meter.timing().to(device)  # DDP: this rank's timing in its slots (on the device: NCCL takes no CPU tensor)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # DDP: collective
@@ -263,8 +265,7 @@ def main(argv=None):
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device, apex)  # Apex:
     steps_per_epoch = len(train_loader) // args.grad_accum
-    # Apex: its path wraps the model late
-    model, optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex)
+    model, optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex)  # Apex:
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)

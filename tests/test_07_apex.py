@@ -4,14 +4,16 @@ The native path (torch.autocast + GradScaler, torch DDP) runs under the legacy l
 tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N) and, resumed, under
 torchrun, ending with step 04's bits. The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU
 and a built Apex: neither exists here, so they are untested; these tests check what a reader without
-them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the other bad input).
+them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the other bad input). Only the legacy
+path's own lines run here, on 2 CPU ranks with a stand-in of Apex's interface (APEX_STAND_IN).
 """
 import os
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, as_after_epoch, assert_one_line_error, assert_trained, checkpoint_epoch,
-                     digests, load_checkpoint, legacy_launch, metrics, once, run, script, torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, as_after_epoch, assert_one_line_error, assert_trained,
+                     checkpoint_epoch, digests, free_port, load_checkpoint, legacy_launch, metrics, once, run, script,
+                     torchrun)
 
 # 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
 # because the CPU emulates bf16, which test_bf16_autocast_resumes_bit_for_bit runs on 8 images.
@@ -86,3 +88,57 @@ def test_registry_apex_is_named_as_the_unrelated_package(registry_apex, data, tm
                **registry_apex)
     assert_one_line_error(proc, "the apex in ", "is the unrelated registry package of that name, not NVIDIA Apex",
                           "pip uninstall apex")
+
+
+APEX_STAND_IN = """
+import contextlib, runpy, sys, types, torch, torch.distributed as dist
+from common import data, metrics
+
+class LegacyDDP(torch.nn.Module):
+    # apex.parallel.DistributedDataParallel (tag 25.05) as the step meets it: rank 0's parameters at construction,
+    # gradients averaged in backward, and the buffers never
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+            p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad.div_(dist.get_world_size())))
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+apex = types.SimpleNamespace(
+    amp=types.SimpleNamespace(initialize=lambda model, optimizer, opt_level: (model, optimizer),
+                              scale_loss=lambda loss, optimizer: contextlib.nullcontext(loss)),
+    parallel=types.SimpleNamespace(DistributedDataParallel=LegacyDDP))
+step = runpy.run_path(sys.argv[1], run_name="step07")
+dist.init_process_group("gloo")
+rank, cpu = dist.get_rank(), torch.device("cpu")
+args = step["parse_args"](["--data-dir", "unused", "--batch-size", "8", "--workers", "0", "--amp-backend", "apex"])
+torch.manual_seed(rank)  # each rank its own start (the wrapper makes rank 0's the start of all) and its own images
+model = step["prepare_model"](args, step["build_model"](args, data.Info(10, data.MEAN, data.STD)), cpu, apex)
+model, optimizer, scheduler, scaler = step["build_optimizer"](args, model, 3, cpu, None, apex)
+batches = [(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,))) for _ in range(3)]
+meter = metrics.Meter(args, 3)
+meter.start(None, 0)
+step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, cpu, None,
+                        types.SimpleNamespace(requested=lambda steps: False), meter, apex)
+state = model.module.state_dict()
+names = [name for name, _ in model.module.named_buffers() if name in state]  # batch-norm statistics
+everyone = [None, None]
+dist.all_gather_object(everyone, {name: state[name] for name in state})
+if rank == 0:
+    (mine, other) = everyone
+    print("buffers", len(names), "equal" if all(torch.equal(mine[n], other[n]) for n in names) else "DIFFER")
+    print("parameters", "equal" if all(torch.equal(mine[n], other[n]) for n in mine if n not in names) else "DIFFER")
+dist.destroy_process_group()
+"""
+
+
+def test_the_legacy_path_ends_with_rank_0_s_batch_norm_statistics_on_every_rank(tmp_path):
+    """apex.parallel.DistributedDataParallel broadcasts parameters only: with its interface's stand-in and the default
+    model (batch norm), 07's legacy lines must leave every rank with rank 0's buffers, as 04's DDP does."""
+    stand_in = tmp_path / "apex_stand_in.py"
+    stand_in.write_text(APEX_STAND_IN)
+    proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in, script(7)])
+    assert "buffers 60 equal" in proc.output and "parameters equal" in proc.output, proc.output[-3000:]
