@@ -99,9 +99,11 @@ def build_loaders(args, train_set, test_set):
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                               persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
-    # DDP: evaluation shards the test set without padding, so no image is counted twice.
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.accelerator.is_available(),
-                             sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()))
+    # DeepSpeed: as 04's, in batches of at most 512 that give every rank as many: under ZeRO-3 every forward gathers
+    shard = -(-len(test_set) // dist.get_world_size())  # DeepSpeed: the larger shard (they differ by one at most)
+    test_loader = DataLoader(test_set, batch_size=-(-shard // -(-shard // 512)), num_workers=args.workers,  # DeepSpeed:
+                             sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()),
+                             pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 
@@ -114,10 +116,9 @@ def build_model(args, info):
     return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
-def prepare_model(args, model, device):
+def prepare_model(args, model, device):  # DeepSpeed: no wrapper: deepspeed.initialize builds the engine around it
     model = model.to(device)  # DeepSpeed: NCHW weights: ZeRO's flat buffers need them (--channels-last: NHWC batches)
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
-    return model  # DeepSpeed: no wrapper: deepspeed.initialize builds the engine around it
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
@@ -136,8 +137,7 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):  # Dee
     if dist.get_rank() == 0:  # DeepSpeed: the config the engine gets, once
         print(f"DeepSpeed config: {json.dumps(config, separators=(',', ':'))}")
 
-    # DeepSpeed: our warm-up and cosine, on the optimizer it builds, from step `start_step`.
-    def schedule(optimizer):
+    def schedule(optimizer):  # DeepSpeed: our warm-up and cosine, on the optimizer it builds, from step start_step
         for group in optimizer.param_groups:  # DeepSpeed: LambdaLR starts at a step only with these
             group.setdefault("initial_lr", group["lr"])
         return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS),
