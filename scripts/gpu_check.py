@@ -1,15 +1,18 @@
-"""The GPU check: every step's default path on this machine's NVIDIA GPUs, through the README's launcher.
+"""The GPU check: every step's default path and every path only a GPU runs, on this machine's NVIDIA GPUs.
 
     bash scripts/gpu_check.sh [--steps 02,04] [--dry-run --gpus 4] [-- flags for every run]   # docs/benchmark-gpu.md
     python scripts/gpu_check.py --rehearse-on-cpu --steps 02 -- --arch cnn --amp off --workers 0   # its machinery
 
 On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with --amp fp16, and --amp
 bf16 where the GPU computes it natively); after each default run a resume check: 2 epochs uninterrupted against
---stop-after 1 then --resume auto, deterministic kernels, every rank's weights-rank*.sha256 equal in both. Measured:
-img/s of epochs 2..E, peak GPU memory, and for 02 its loop against its own train_one_epoch on batches already on the
-GPU (pure compute). Any failure fails the check; only no GPU (a CPU rehearsal), emulated bf16 or a library not
-installed (DeepSpeed, Horovod, Apex) is a skip. Results: a table, WORK/results.json, docs/benchmark-gpu.md.
-Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU or no CUDA torch).
+--stop-after 1 then --resume auto, with fixed kernels (cuDNN deterministic, no per-process algorithm search, no
+Horovod fusion), every rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs 2..E, peak GPU memory,
+and for 02 its loop against its own train_one_epoch on batches already on the GPU (pure compute). Then PATHS, each a
+2-epoch run on the small data that must exit 0 with equal weights on every rank. Any failure fails the check; only no
+GPU (a CPU rehearsal), too few GPUs, emulated or native bf16 where a row needs the other, or a library not installed
+(DeepSpeed, Horovod, Apex) is a skip, with why. Results: a table, WORK/results.json, docs/benchmark-gpu.md.
+Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU, no CUDA torch, a package
+every step needs is missing).
 """
 import argparse
 import functools
@@ -30,8 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `common` lives at the repository root
-import launchers  # noqa: E402
-from common import metrics  # noqa: E402
+import launchers  # noqa: E402  (the standard library only: the checks below come before torch and common/)
 
 DOC, RESULTS = REPO / "docs" / "benchmark-gpu.md", "## Results"
 LAUNCHER = {2: "python", 3: "python", 4: "torchrun", 5: "deepspeed", 6: "horovodrun", 7: "torchrun", 8: "torchrun"}
@@ -41,19 +43,52 @@ LIBRARY = {5: ("deepspeed", "DeepSpeed"), 6: ("horovod", "Horovod")}
 NOT_INSTALLED = ("DeepSpeed is not importable", "Horovod is not importable", "needs NVIDIA Apex")  # skips, not failures
 ERROR = re.compile(r"^(?:.*?[]:>] ?)?error: (.+)$", re.M)  # our scripts' one line, after a launcher's prefix
 RESUME = [("reference", []), ("resumed", ["--stop-after", "1"]), ("resumed", ["--resume", "auto"])]
-# On the PYTHONPATH of the resume runs: cuDNN's fastest kernels may add up in another order on every run.
-DETERMINISTIC = "import torch\ntorch.backends.cudnn.deterministic = True  # scripts/gpu_check.py: resume runs\n"
+# On the PYTHONPATH of the resume runs: cuDNN's fastest kernels may add up in another order on every run, and with
+# benchmark=True (every step sets it) each process times and picks its own among the deterministic ones.
+DETERMINISTIC = """import torch  # scripts/gpu_check.py: resume runs
+torch.backends.cudnn.deterministic = True
+type(torch.backends.cudnn).benchmark = property(lambda self: False, lambda self, value: None)  # the steps' = True
+"""
+NEEDED = ("torch", "torchvision", "numpy", "matplotlib", "tqdm")  # what every step imports (requirements.txt's pins)
+# The paths a default run leaves unproven: (label, step, launcher (None: the step's), flags, GPUs it needs at least).
+PATHS = [
+    ("02 --amp bf16 where emulated", 2, None, ["--amp", "bf16"], 1),  # runs, and says it is emulated
+    ("04 --amp fp16", 4, None, ["--amp", "fp16"], 1),  # GradScaler
+    ("04 --sync-bn", 4, None, ["--sync-bn"], 2),
+    ("04 --compile", 4, None, ["--compile"], 1),
+    ("04 --grad-accum 2", 4, None, ["--grad-accum", "2"], 1),  # no_sync
+    ("04 --spawn N", 4, "python", ["--spawn", "N"], 1),
+    ("04 legacy launcher", 4, "legacy", [], 1),
+    ("05 --amp fp16", 5, None, ["--deepspeed_config", "ds_config.json", "--amp", "fp16"], 1),  # DeepSpeed's scaler
+    ("05 --zero-stage 3", 5, None, ["--deepspeed_config", "ds_config.json", "--zero-stage", "3"], 2),  # uneven test
+    ("06 --amp fp16", 6, None, ["--amp", "fp16"], 1),
+    ("06 --sync-bn", 6, None, ["--sync-bn"], 2),
+    ("06 --fp16-allreduce", 6, None, ["--fp16-allreduce"], 2),
+    ("07 --amp fp16", 7, None, ["--amp-backend", "torch", "--amp", "fp16"], 1),
+    ("07 --amp-backend apex", 7, None, ["--amp-backend", "apex"], 1),
+    ("07 --amp-backend apex --opt-level O2", 7, None, ["--amp-backend", "apex", "--opt-level", "O2"], 1),
+    ("07 --amp-backend apex --sync-bn", 7, None, ["--amp-backend", "apex", "--sync-bn"], 2),
+    ("08 --amp fp16", 8, None, ["--amp", "fp16"], 1),  # ShardedGradScaler
+    ("08 --sync-bn", 8, None, ["--sync-bn"], 2),
+]
 say = functools.partial(print, flush=True)
 
 
 def plan(steps, gpus):
-    """The timed runs: each step through its launcher as the README starts it; 02 also with --amp fp16 and bf16."""
-    return [types.SimpleNamespace(
+    """The timed runs: each step through its launcher as the README starts it, 02 also with --amp fp16 and bf16; then
+    the PATHS of those steps (path=True), each with every GPU (--spawn N: N = the GPUs)."""
+    timed = [types.SimpleNamespace(
         step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus,
         script=next(REPO.glob(f"{step:02d}_cifar10_*.py")), slug=f"{step:02d}-{amp or 'auto'}",
-        label=f"{step:02d}" + (f" --amp {amp}" if amp else ""),
+        label=f"{step:02d}" + (f" --amp {amp}" if amp else ""), path=False, needs=1,
         args=(["--deepspeed_config", "ds_config.json"] if step == 5 else []) + (["--amp", amp] if amp else []))
         for step in steps for amp in ([None, "fp16", "bf16"] if step == 2 else [None])]
+    return timed + [types.SimpleNamespace(
+        step=step, amp=None, launcher=launcher or LAUNCHER[step], script=next(REPO.glob(f"{step:02d}_cifar10_*.py")),
+        nproc=1 if (launcher or LAUNCHER[step]) == "python" and "--spawn" not in flags else gpus, needs=needs,
+        slug=re.sub(r"\W+", "-", label).strip("-"), label=label, path=True,
+        args=[str(gpus) if flag == "N" else flag for flag in flags]) for label, step, launcher, flags, needs in PATHS
+        if step in steps]
 
 
 def command(run, data, out, epochs, flags, *more):
@@ -94,23 +129,30 @@ def verdict(status, output):
     return "skipped" if any(text in why for text in NOT_INSTALLED) else "failed", f"{why.strip()[:300]} (exit {status})"
 
 
-def skip_reason(run, device):
-    """Why `run` is not started here (None: it is): fp16/bf16 without a GPU, bf16 that the GPU would only emulate
-    (torch's default is_bf16_supported() counts emulation as support), or a library that is not installed."""
+def skip_reason(run, device, gpus=1):
+    """Why `run` is not started here (None: it is): fp16/bf16 or a path without a GPU, bf16 that the GPU would only
+    emulate (torch's default is_bf16_supported() counts emulation as support) or, for the emulated row, computes
+    natively, a path that needs more GPUs, or a library that is not installed."""
     import torch
 
-    if run.amp and device.type != "cuda":
-        return f"--amp {run.amp} is for a GPU (a CPU rehearsal)"
-    if run.amp == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if (run.amp or run.path) and device.type != "cuda":
+        return f"{'--amp ' + run.amp if run.amp else 'this path'} is for a GPU (a CPU rehearsal)"
+    native = "bf16" in (run.amp, *run.args) and torch.cuda.is_bf16_supported(including_emulation=False)
+    if run.amp == "bf16" and not native:
         return f"{torch.cuda.get_device_name(device)} has no native bf16 (it would only be emulated)"
+    if run.path and run.step == 2 and native:
+        return f"{torch.cuda.get_device_name(device)} computes bf16 natively (this row is for GPUs without)"
+    if run.needs > gpus:
+        return f"needs {run.needs} GPUs (it shows what one cannot), this machine has {gpus}"
     if run.step in LIBRARY and util.find_spec(LIBRARY[run.step][0]) is None:
         return f"{LIBRARY[run.step][1]} is not installed for {sys.executable} (docs/benchmark-gpu.md says how)"
 
 
 def resume_check(run, c):
     """"equal", or why not: on the small data, 2 epochs uninterrupted against --stop-after 1 then --resume auto."""
-    base, env = c.work / "runs" / run.slug, {**c.env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-                                              "PYTHONPATH": f"{REPO}{os.pathsep}{c.work / 'deterministic'}"}
+    # Horovod's fusion packs tensors by arrival: sums over 3+ GPUs in another order each run; none makes them exact.
+    base, env = c.work / "runs" / run.slug, {**c.env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "HOROVOD_FUSION_THRESHOLD":
+                                              "0", "PYTHONPATH": f"{REPO}{os.pathsep}{c.work / 'deterministic'}"}
     digests = lambda out: {p.name: p.read_text() for p in (base / out).glob("weights-rank*.sha256")}  # noqa: E731
 
     def go(out, *more):
@@ -136,6 +178,8 @@ def compute_rate(flags, data, device):
     """Images/s of step 02's own train_one_epoch (forward, backward, optimizer step) on batches already on the
     device, with the run's flags and threads: its loop's rate if data cost nothing. Best of 2 after a warm-up."""
     import torch
+
+    from common import metrics
 
     step = runpy.run_path(str(next(REPO.glob("02_cifar10_*.py"))), run_name="gpu_check_step02")
     args = step["parse_args"](["--data-dir", str(data), *flags])
@@ -163,21 +207,27 @@ def compute_rate(flags, data, device):
 
 
 def check(run, c):
-    """The row of one run: the timed run, its measurements, and for a default run the resume check."""
-    base = c.work / "runs" / run.slug
-    row = {"run": run.label, "outcome": "skipped", "why": skip_reason(run, c.device), "resume": None}
+    """The row of one run: the timed run, its measurements, and for a default run the resume check; a path's run (2
+    epochs on the small data) must learn a little (half of --min-acc) and end with equal weights on every rank."""
+    from common import metrics
+
+    base, out, epochs = c.work / "runs" / run.slug, "run" if run.path else "timed", 2 if run.path else c.epochs
+    row = {"run": run.label, "outcome": "skipped", "why": skip_reason(run, c.device, c.gpus), "resume": None}
     if row["why"]:
         say(f"== {run.label}: skipped: {row['why']}")
         return row
     shutil.rmtree(base, ignore_errors=True)
-    cmd = command(run, c.data, base / "timed", c.epochs, c.flags)
+    cmd = command(run, c.small if run.path else c.data, base / out, epochs, c.flags)
     say(f"== {run.label}: {shown(cmd)}")
     status, output = launch(cmd, base / "log.txt", c.timeout, c.env)
-    rows = metrics.read(base / "timed" / metrics.FILE)
-    bad = verdict(status, output) or ([r["epoch"] for r in rows] != list(range(1, c.epochs + 1))
-                                      and ("failed", "exit 0, but metrics.jsonl lacks epochs"))
-    if bad:
-        row["outcome"], row["why"] = bad
+    rows, digests = metrics.read(base / out / metrics.FILE), {p.read_text() for p in (base / out).glob("weights-*")}
+    bad = verdict(status, output) or ([r["epoch"] for r in rows] != list(range(1, epochs + 1))
+                                      and ("failed", "exit 0, but metrics.jsonl lacks epochs")) or run.path and (
+        len(digests) != 1 and ("failed", f"the ranks ended with {len(digests)} different weights (or none)")
+        or rows[-1]["test_acc"] < c.min_acc / 2 and ("failed", f"did not learn: {rows[-1]['test_acc']:.3f}")
+        or run.step == 2 and "emulated" not in output and ("failed", "--amp bf16 did not say it is emulated"))
+    if bad or run.path:
+        row.update(outcome=bad[0] if bad else "ok", why=bad and bad[1], test_acc=rows[-1]["test_acc"] if rows else None)
         return row
     timed = rows[1:] or rows  # epoch 1 pays the start: workers, cuDNN's algorithm search
     amp = re.search(r"\bamp (\w+(?: \([^)]*\))?), .*steps/epoch", output)
@@ -209,17 +259,26 @@ def table(rows):
     return lines
 
 
+def stop(why, fix="it needs an NVIDIA GPU and a CUDA build of torch; PYTHON=/path/to/python picks another Python"):
+    print(f"gpu_check: {why}; nothing was run ({fix})", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def check_packages():
+    """One line and exit 2 when this Python lacks what every step imports, with the command that installs it."""
+    missing = [name for name in NEEDED if util.find_spec(name) is None]
+    pins = dict(re.findall(r"^([\w.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
+    install = shlex.join(["python3", "-m", "pip", "install", *(f"{name}=={pins[name]}" for name in missing)])
+    if missing:
+        stop(f"{', '.join(missing)} not installed in {sys.executable}, and every step imports "
+             + ("it" if len(missing) == 1 else "them"), f"fix: {install}, with that Python (without a registry: "
+             "docs/benchmark-gpu.md)")
+
+
 def find_device(args):
     """(device, processes, what it runs on); one line and exit 2 when there is no GPU to check."""
-    def stop(why):
-        print(f"gpu_check: {why}; nothing was run (it needs an NVIDIA GPU and a CUDA build of torch; "
-              "PYTHON=/path/to/python picks another Python)", file=sys.stderr, flush=True)
-        sys.exit(2)
+    import torch
 
-    try:
-        import torch
-    except ImportError as error:
-        stop(f"no torch in {sys.executable} ({error})")
     if not (torch.cuda.is_available() or args.rehearse_on_cpu):
         stop(f"no CUDA GPU: torch {torch.__version__} in {sys.executable} "
              + ("is a CPU build" if torch.version.cuda is None else f"(CUDA {torch.version.cuda}) sees none"))
@@ -253,21 +312,26 @@ def main(argv=None):
     split = argv.index("--") if "--" in argv else len(argv)
     args, flags = parse_args(argv[:split]), argv[split + 1:]
     work = args.work_dir.resolve()
+    check_packages()
     if args.dry_run:
-        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run, its resume check")
+        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run, its resume check; "
+            "then each path")
         for run in plan(args.steps, args.gpus or 1):
-            base = work / "runs" / run.slug
-            say(f"{run.label}:\n  {shown(command(run, work / 'data' / 'timed', base / 'timed', args.epochs, flags))}")
-            for out, more in RESUME if run.amp is None else []:
+            base, out = work / "runs" / run.slug, "run" if run.path else "timed"
+            timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
+                            2 if run.path else args.epochs, flags)
+            needs = f"  (needs {run.needs} GPUs)" if run.needs > (args.gpus or 1) else ""
+            say(f"{run.label}:\n  {shown(timed)}{needs}")
+            for out, more in RESUME if run.amp is None and not run.path else []:
                 say(f"  {shown(command(run, work / 'data' / 'resume', base / out, 2, flags, *more))}")
         return 0
     device, gpus, name = find_device(args)
     from synthetic import write_synthetic_cifar10
 
     hide = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"} if args.rehearse_on_cpu else {}  # all on the CPU
-    c = types.SimpleNamespace(**vars(args), work=work, device=device, flags=flags, data=work / "data" / "timed",
-                              small=work / "data" / "resume", env=hide)
-    small = (min(args.train_size, 5000), min(args.test_size, 1000))
+    c = types.SimpleNamespace(**{**vars(args), "gpus": gpus}, work=work, device=device, flags=flags, env=hide,
+                              data=work / "data" / "timed", small=work / "data" / "resume")
+    small = (min(args.train_size, 5000), min(args.test_size, 1025))  # 1,025: 513 and 512 test images on 2 GPUs
     say(f"gpu_check: {name}")
     write_synthetic_cifar10(str(c.data), args.train_size, args.test_size, kind="easy")
     write_synthetic_cifar10(str(c.small), *small, kind="easy")
@@ -280,8 +344,8 @@ def main(argv=None):
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed, "runs": rows,
                "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",
                "command": shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
-               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, {args.epochs} epochs "
-                       f"(img/s of 2..{args.epochs}); resume check {small[0]} / {small[1]}, 2 epochs"}
+               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, {args.epochs} "
+                       f"epochs (img/s of 2..{args.epochs}); resume check and paths {small[0]} / {small[1]}, 2 epochs"}
     (work / "results.json").write_text(json.dumps(results, indent=2))
     doc = work / DOC.name if args.rehearse_on_cpu else DOC
     summary = f"**{results['verdict']}** ({', '.join(f'{n} {k}' for k, n in counts.items())}; {results['date']})"

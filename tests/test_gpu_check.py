@@ -2,7 +2,10 @@
 
 * without a GPU (or with a CPU torch) it says so in one line and exits 2;
 * --dry-run plans every step (02-08) through the README's launcher, on its default path, 02 also with --amp fp16
-  and bf16, and after each default run the resume triple; docs/benchmark-gpu.md lists the same commands;
+  and bf16, and after each default run the resume triple; then every path only a GPU runs (PATHS), those that need
+  more GPUs than there are marked; docs/benchmark-gpu.md lists the same commands;
+* a Python without what every step imports (torchvision, matplotlib, tqdm) is one line naming them, exit 2, before
+  anything imports them;
 * bf16 is skipped where the GPU would only emulate it; a missing library is a skip, a failing run a failure;
 * --rehearse-on-cpu runs the whole machinery with step 02 on the CPU: the run learns, resumes bit for bit,
   is measured, and the report is written (in its work dir, never docs/); a run that ends with `error:` fails it;
@@ -67,7 +70,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
 
 def test_the_dry_run_plans_every_step_on_its_default_path_through_its_launcher():
     runs = dry_run("--gpus", "2")
-    assert list(runs) == STEPS
+    paths = {label: runs.pop(label) for label in list(runs)[len(STEPS):]}
+    assert list(runs) == STEPS and list(paths) == [label for label, *_ in gpu_check.PATHS]
     launchers = {"02": "python 02_cifar10_gpu.py", "03": "python 03_cifar10_dataparallel.py",
                  "04": "torchrun --nproc_per_node=2 --master_port=P 04_cifar10_ddp.py",
                  "05": "deepspeed --num_gpus 2 --master_port=P 05_cifar10_deepspeed.py",
@@ -90,8 +94,47 @@ def test_the_dry_run_plans_every_step_on_its_default_path_through_its_launcher()
         assert " --epochs 2" in reference and "/reference " in reference and "--data-dir" in reference
         assert stopped == reference.replace("/reference ", "/resumed ") + " --stop-after 1"
         assert resumed == reference.replace("/reference ", "/resumed ") + " --resume auto"
-    for commands in dry_run("--steps", "04", "--", "--arch", "cnn").values():  # flags after -- go to every run
-        assert len(commands) == 4 and all(" --arch cnn" in command for command in commands)
+    for label, commands in dry_run("--steps", "04", "--", "--arch", "cnn").items():  # flags after -- go to every run
+        assert len(commands) == (4 if label == "04" else 1) and all(" --arch cnn" in command for command in commands)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_path_only_a_gpu_runs_is_planned_as_two_epochs_on_the_small_data(gpus):
+    """--sync-bn, --compile, --grad-accum, --spawn, the legacy launcher, ZeRO-3, fp16 on 04-08, --fp16-allreduce, the
+    Apex paths, emulated bf16: one row each; with one GPU the rows that need two are marked (and skipped when run)."""
+    runs = dry_run("--gpus", gpus)
+    for label, step, launcher, flags, needs in gpu_check.PATHS:
+        (command,) = runs[label]
+        marked = f"  (needs {needs} GPUs)" * (needs > gpus)
+        assert command.endswith(" ".join(flags).replace(" N", f" {gpus}") + marked), command
+        assert f" {step:02d}_cifar10_" in command and "/data/resume " in command and " --epochs 2" in command
+        assert command.startswith({"python": "python ", "legacy": "python -m torch.distributed.launch "}.get(
+            launcher, "")), command
+    assert {label for label, *_ in gpu_check.PATHS} >= {
+        "04 --sync-bn", "06 --sync-bn", "07 --amp-backend apex --sync-bn", "08 --sync-bn", "04 --compile",
+        "04 --grad-accum 2", "04 --spawn N", "04 legacy launcher", "05 --zero-stage 3", "04 --amp fp16",
+        "05 --amp fp16", "06 --amp fp16", "07 --amp fp16", "08 --amp fp16", "06 --fp16-allreduce",
+        "02 --amp bf16 where emulated"}
+    run = {r.label: r for r in gpu_check.plan([2, 4], gpus)}
+    gpu = torch.device("cuda", 0)
+    assert (gpu_check.skip_reason(run["04 --sync-bn"], gpu, gpus) is None) == (gpus == 2)
+    assert "needs 2 GPUs" in (gpu_check.skip_reason(run["04 --sync-bn"], gpu, 1) or "")
+    assert "this path is for a GPU" in gpu_check.skip_reason(run["04 --compile"], torch.device("cpu"), gpus)
+
+
+def test_a_python_without_what_every_step_imports_is_one_line_and_exit_2_before_importing_it(monkeypatch, capsys):
+    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_check; "
+            "print([m for m in ('torch', 'common') if m in sys.modules])")
+    proc = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr  # the checks come first
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda n, *a: None if n in ("torchvision", "tqdm") else real(n, *a))
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main(["--dry-run"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    pins = dict(re.findall(r"^([\w.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
+    fix = f"fix: python3 -m pip install torchvision=={pins['torchvision']} tqdm=={pins['tqdm']}, with that Python"
+    assert stopped.value.code == 2 and line.startswith("gpu_check: torchvision, tqdm not installed in ") and fix in line
 
 
 def test_the_page_lists_the_planned_commands_and_says_whether_a_gpu_run_was_made():
@@ -140,11 +183,13 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     page = (REPO / "docs" / "benchmark-gpu.md").read_text()
     assert gpu_check.main([*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--work-dir", str(tmp_path), *SMALL]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    ran, fp16, bf16 = results["runs"]
+    ran, fp16, bf16, emulated = results["runs"]
     assert ran["outcome"] == "ok" and ran["test_acc"] >= 0.15 and ran["precision"] == "off", ran
     assert ran["resume"] == "equal", ran  # 2 epochs == 1 epoch, stop, --resume auto, 1 epoch: the same weights
     assert ran["images_per_sec"] > 0 and ran["compute_images_per_sec"] > 0 and ran["peak_memory_mb"] > 0, ran
-    assert fp16["outcome"] == bf16["outcome"] == "skipped" and "for a GPU" in fp16["why"], (fp16, bf16)
+    assert fp16["outcome"] == bf16["outcome"] == emulated["outcome"] == "skipped" and "for a GPU" in fp16["why"], (
+        fp16, bf16)
+    assert emulated["run"] == "02 --amp bf16 where emulated" and "this path is for a GPU" in emulated["why"], emulated
     log = (tmp_path / "runs" / "02-auto" / "log.txt").read_text()
     assert log.count("$ python 02_cifar10_gpu.py") == 4 and "resumed from epoch 1" in log
     report = (tmp_path / "benchmark-gpu.md").read_text()
@@ -152,12 +197,14 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     row = r"^\| 02 \| ok \| off \| 0\.\d{3} \| [\d,]+ \| [\d,]+ \| \d+% \| [\d,]+ \| equal \|$"
     assert re.search(row, report, re.M), report
     assert (REPO / "docs" / "benchmark-gpu.md").read_text() == page  # a rehearsal never writes the docs
-    assert "gpu_check: passed (1 ok, 0 failed, 2 skipped" in capsys.readouterr().out
-    # The resume runs' deterministic kernels: every python on their PYTHONPATH turns them on.
-    probe = subprocess.run([PYTHON, "-c", "import torch; print(torch.backends.cudnn.deterministic)"],
+    assert "gpu_check: passed (1 ok, 0 failed, 3 skipped" in capsys.readouterr().out
+    # The resume runs' fixed kernels: every python on their PYTHONPATH turns them on.
+    code = "import torch; torch.backends.cudnn.benchmark = True; print(torch.backends.cudnn.deterministic, " \
+           "torch.backends.cudnn.benchmark)"  # fixed kernels, though every step asks cuDNN to time them
+    probe = subprocess.run([PYTHON, "-c", code],
                            env={**os.environ, "PYTHONPATH": str(tmp_path / "deterministic")}, stdout=subprocess.PIPE,
                            text=True)
-    assert probe.stdout.strip() == "True"
+    assert probe.stdout.strip() == "True False", probe
 
 
 def test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check(tmp_path, monkeypatch, capsys):
@@ -166,7 +213,8 @@ def test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check(tmp_path
     argv = [*REHEARSAL, "--steps", "02,05", "--work-dir", str(tmp_path), *SMALL, "--batch-size", "1000"]  # > 256
     assert gpu_check.main(argv) == 1
     results = json.loads((tmp_path / "results.json").read_text())
-    (run02, *_, run05), output = results["runs"], capsys.readouterr().out
+    runs, output = {r["run"]: r for r in results["runs"]}, capsys.readouterr().out
+    run02, run05 = runs["02"], runs["05"]
     assert run02["outcome"] == "failed" and "256 training images are too few" in run02["why"], run02
     assert run05["outcome"] == "skipped" and "DeepSpeed is not installed" in run05["why"], run05
     assert "gpu_check: FAILED: 02: 256 training images are too few" in output
@@ -193,3 +241,15 @@ def test_the_bundle_is_the_pins_without_torch_with_deepspeed_and_horovod_as_sour
     assert f"--dest {out}/sdist --no-binary=:all: horovod==0.28.1" in output and "cmake==3.31.10" in output
     status, output = bash(BUNDLE, "--bogus")
     assert status == 2 and output.strip() == "gpu_bundle: unknown option --bogus (see --help)"
+
+
+def test_horovod_is_built_with_nccl_for_a_cuda_torch(tmp_path):
+    """scripts/setup.sh's Horovod build (install_horovod.sh) for the torch it finds: NCCL with a CUDA build (a CPU-only
+    Horovod cannot all-reduce GPU tensors), unless HOROVOD_GPU_OPERATIONS is set, even empty; CPU with a CPU build."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text('__version__ = "2.13.0+cu128"\nclass version:\n    cuda = "12.8"\n')
+    script = REPO / "scripts" / "install_horovod.sh"
+    for env, flavour in [({"PYTHONPATH": str(tmp_path)}, "a nccl build"), ({}, "a cpu build"),
+                         ({"PYTHONPATH": str(tmp_path), "HOROVOD_GPU_OPERATIONS": ""}, "a cpu build")]:
+        status, output = bash(script, "--dry-run", **env)
+        assert status == 0 and f"in {PYTHON}: {flavour} of Horovod" in output, output
