@@ -49,7 +49,7 @@ def parse_args(argv=None):
 def setup(args):
     rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()  # Horovod: from hvd.init()
     device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
-    if device is not None and (device.type != "cuda" or not hvd.cuda_built()):  # Horovod: NCCL (CUDA, ROCm) or Gloo
+    if device is not None and (device.type != "cuda" or not hvd.nccl_built()):  # Horovod: NCCL (CUDA, ROCm) or Gloo
         sys.exit(f"this Horovod cannot use {device.type} tensors: on CUDA GPUs build it with `HOROVOD_GPU_OPERATIONS="
                  f"NCCL PYTHON={sys.executable} bash scripts/install_horovod.sh`; elsewhere use step 04")
     if device is not None:  # GPU: there is one

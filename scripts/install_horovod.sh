@@ -39,8 +39,9 @@
 # CPU-only build (default): Gloo is the controller and does the CPU collectives;
 #   no MPI is needed (horovodrun starts the processes itself).
 #
-# GPU machines (NVIDIA): export HOROVOD_GPU_OPERATIONS=NCCL before running this
-#   script, with a CUDA build of torch installed. Optionally also
+# GPU machines (NVIDIA): with a CUDA build of torch installed, the build is one with
+#   NCCL (HOROVOD_GPU_OPERATIONS=NCCL, set here unless you set it; set it empty,
+#   HOROVOD_GPU_OPERATIONS=, for a CPU-only build there). Optionally also
 #     HOROVOD_CUDA_HOME=/usr/local/cuda   (where nvcc is; needs the CUDA toolkit)
 #     HOROVOD_NCCL_HOME=/path/to/nccl     (include/ and lib/ of NCCL, if NCCL is
 #                                          not in a system or CUDA location)
@@ -54,6 +55,8 @@
 #   PYTHON               python of the target environment (default: python)
 #   HOROVOD_WHEEL_CACHE  wheel cache (default: ~/.cache/cifar10-parallel/wheels)
 #   MAKEFLAGS            parallel build jobs (default: -j<number of cores>)
+#
+#   bash scripts/install_horovod.sh --dry-run   # which build it would make for this torch, and nothing else
 # =============================================================================
 set -euo pipefail
 
@@ -106,11 +109,22 @@ PY_TAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[
 SCRIPTS_DIR=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 export PATH=$SCRIPTS_DIR:$PATH
 
+# A CUDA torch gets a build with NCCL (a CPU-only Horovod cannot all-reduce its GPU tensors), unless asked otherwise.
+TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
+if [[ -z ${HOROVOD_GPU_OPERATIONS+set} && -n $TORCH_CUDA ]]; then
+    HOROVOD_GPU_OPERATIONS=NCCL
+    echo "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build: building Horovod with NCCL (HOROVOD_GPU_OPERATIONS= for CPU only)"
+fi
 # CMake compares these case-sensitively ("gloo" would be silently ignored).
 GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
 GPU_OPS=${GPU_OPS^^}
 FLAVOUR=${GPU_OPS:-cpu}
 FLAVOUR=${FLAVOUR,,}
+if [[ ${1:-} == --dry-run ]]; then
+    echo "install_horovod --dry-run: torch $TORCH_VERSION (${TORCH_CUDA:+CUDA }${TORCH_CUDA:-CPU only}) in $PY:" \
+        "a $FLAVOUR build of Horovod $HVD_VERSION"
+    exit 0
+fi
 
 # Did --check-build (output on stdin) list everything we need?
 check_build_ok() {
