@@ -105,3 +105,15 @@ def test_a_job_near_its_time_limit_checkpoints_requeues_and_ends_exactly(cluster
     assert digests(out) == digests(ddp_job / "out"), "the requeued job must end with the uninterrupted weights"
     assert load_checkpoint(out / "checkpoint-epoch0002.pt")["args"]["resume"] == "auto"
     assert not list(Path(out).glob("*-step*.pt"))
+
+
+@pytest.mark.parametrize("visible,local_id,gpu", [(None, "3", "3"), ("0,1,2,3", "3", "3"), ("2", "3", "0"),
+                                                  ("GPU-5a1c", "1", "0")])
+def test_05_s_tasks_find_their_gpu_with_and_without_one_bound_to_each(visible, local_id, gpu):
+    """Every GPU of the node visible to each task: LOCAL_RANK = the task's number on the node; one GPU bound to each
+    task (--gpus-per-task=1, --gpu-bind, cgroups), so that it sees that one alone: 0. The sbatch's own line, in bash."""
+    (line,) = [ln.strip() for ln in (REPO / "slurm" / "05_deepspeed.sbatch").read_text().splitlines()
+               if ln.strip().startswith("GPU=")]
+    task_env = {"SLURM_LOCALID": local_id, **({"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {})}
+    proc = subprocess.run(["bash", "-c", f'{line}\necho "$GPU"'], env=task_env, capture_output=True, text=True)
+    assert proc.stdout.strip() == gpu, proc
