@@ -111,7 +111,7 @@ def exits_cleanly(main):
     its summary shows it) and exit status 2, never a traceback. Also bounds the exit, and shares the cores."""
 
     def leave(line, consequence=False):
-        print(line, file=sys.stderr, flush=True)
+        print(line + "\n", end="", file=sys.stderr, flush=True)  # one write: ranks' lines never share a line
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # torchrun calls the failure with the smallest timestamp (whole seconds) the root cause: a cause is
             # stamped a second early, a rank that only stopped because another failed a second late.

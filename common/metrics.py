@@ -220,8 +220,8 @@ class Meter:
         profiler.export_chrome_trace(path)
         shares = {name: part / seconds for name, part in _shares(profiler.events()).items()}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-        print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / steps:.1f} ms each: "
-              + ", ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})", flush=True)
+        print(f"profile rank {rank()}: {steps} steps, {1000 * seconds / steps:.1f} ms each: " + ", ".join(  # one write:
+            f"{name} {100 * share:.0f}%" for name, share in shares.items()) + f" (trace: {path})\n", end="", flush=True)
 
 
 # Events of a collective in a torch.profiler trace: gloo's and NCCL's own spans (the time the collective was in flight,

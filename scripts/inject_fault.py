@@ -46,7 +46,7 @@ def dump_flight_recorder():
         with open(path + ".tmp", "wb") as f:
             pickle.dump(trace, f)
         os.replace(path + ".tmp", path)
-        print(f"rank {dist.get_rank()}: flight recorder written to {path}", flush=True)
+        print(f"rank {dist.get_rank()}: flight recorder written to {path}\n", end="", flush=True)  # one write per line
 
 
 def patch_optimizer_step(fault):
