@@ -268,11 +268,10 @@ def check_packages():
     """One line and exit 2 when this Python lacks what every step imports, with the command that installs it."""
     missing = [name for name in NEEDED if util.find_spec(name) is None]
     pins = dict(re.findall(r"^([\w.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
-    install = shlex.join(["python3", "-m", "pip", "install", *(f"{name}=={pins[name]}" for name in missing)])
+    install = shlex.join([sys.executable, "-m", "pip", "install", *(f"{name}=={pins[name]}" for name in missing)])
     if missing:
         stop(f"{', '.join(missing)} not installed in {sys.executable}, and every step imports "
-             + ("it" if len(missing) == 1 else "them"), f"fix: {install}, with that Python (without a registry: "
-             "docs/benchmark-gpu.md)")
+             + ("it" if len(missing) == 1 else "them"), f"fix: {install}; without a registry: docs/benchmark-gpu.md")
 
 
 def find_device(args):

@@ -133,7 +133,7 @@ def test_a_python_without_what_every_step_imports_is_one_line_and_exit_2_before_
         gpu_check.main(["--dry-run"])
     (line,) = capsys.readouterr().err.strip().splitlines()
     pins = dict(re.findall(r"^([\w.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
-    fix = f"fix: python3 -m pip install torchvision=={pins['torchvision']} tqdm=={pins['tqdm']}, with that Python"
+    fix = f"(fix: {sys.executable} -m pip install torchvision=={pins['torchvision']} tqdm=={pins['tqdm']}; without a"
     assert stopped.value.code == 2 and line.startswith("gpu_check: torchvision, tqdm not installed in ") and fix in line
 
 
