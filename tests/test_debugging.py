@@ -99,7 +99,7 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
     """Rank 1 stops for good before its 5th optimizer step. py-spy shows where each rank is (rank 1 in the fault,
     rank 0 in DDP's broadcast before the forward); the flight recorder, dumped on SIGUSR2, read by torchfrtrace, names
     the collective rank 1 never joined; after --dist-timeout rank 0 stops with one line."""
-    launcher = start(injected("stuck-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--dist-timeout", "20",
+    launcher = start(injected("stuck-rank", 4, *data, *DDP_ARGS, "--epochs", "1", "--dist-timeout", "14",
                               "--out-dir", tmp_path / "out"), TORCH_FR_BUFFER_SIZE="2000", FR_DIR=tmp_path / "fr")
     try:
         output = Output(launcher)
@@ -119,7 +119,7 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
         output = finish(output, ranks[1])
     finally:
         launcher.kill()
-    assert re.search(r"^\[rank 0\] error: a collective timed out \(Timed out waiting 20000ms for \w+ operation to "
+    assert re.search(r"^\[rank 0\] error: a collective timed out \(Timed out waiting 14000ms for \w+ operation to "
                      r"complete\): another rank is stuck or skipped it; docs/debugging.md finds which$", output, re.M)
     assert "Traceback" not in output.split("rank 1: stuck")[1].split("error: a collective timed out")[0]
 

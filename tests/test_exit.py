@@ -11,8 +11,8 @@ import pytest
 
 from helpers import EXIT_GRACE, PYTHON, REPO, Output, as_typed, readme_command, start
 
-# (step, epochs): each step under its README command; 01, which hung (so did 02, with 3), with 2, 3 and 4 epochs.
-CASES = [(1, 2), (1, 3), (1, 4), (2, 3), (3, 3), (4, 3), (5, 2), (6, 4), (7, 3), (8, 4)]
+# (step, epochs): each step under its README command, with 2, 3 or 4 epochs; 01 and 02 with 3, where they hung.
+CASES = [(1, 3), (2, 3), (3, 3), (4, 3), (5, 2), (6, 4), (7, 3), (8, 4), (1, 2)]
 
 
 @pytest.mark.parametrize("number,epochs", CASES, ids=[f"{n:02d}-{e}epochs" for n, e in CASES])
