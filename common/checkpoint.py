@@ -154,9 +154,9 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
         for target, saved in ((model, state.get("model")), (optimizer, state.get("optimizer")), (scaler, state.get("scaler"))):
             if target is not None and saved is not None and (saved or target is not scaler):  # {}: a disabled scaler's
                 getattr(target, "load_state_dict", target)(saved)
-        for p in [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if p in optimizer.state]:
-            optimizer.state[p].update({key: torch.empty_like(p, dtype=value.dtype).copy_(value) for key, value in  # saved
-                                       optimizer.state[p].items() if torch.is_tensor(value) and value.shape == p.shape})
+        for p in [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"] if p in optimizer.state]:
+            optimizer.state[p].update({k: torch.empty_like(p, dtype=v.dtype).copy_(v) for k, v in optimizer.state[p].items()
+                                       if k != "step" and torch.is_tensor(v) and v.shape == p.shape})  # saved plainly
         steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
         steps_then = row.get("of_steps", row.get("steps")) or (global_step // state["epoch"] if state["epoch"] else None)
         if scheduler is not None and state.get("scheduler") and steps_then in (None, steps_now):

@@ -56,7 +56,7 @@
 #   HOROVOD_WHEEL_CACHE  wheel cache (default: ~/.cache/cifar10-parallel/wheels)
 #   MAKEFLAGS            parallel build jobs (default: -j<number of cores>)
 #
-#   bash scripts/install_horovod.sh --dry-run   # which build it would make for this torch, and nothing else
+#   bash scripts/install_horovod.sh --dry-run   # which build it would make for this torch; builds nothing
 # =============================================================================
 set -euo pipefail
 
@@ -113,7 +113,8 @@ export PATH=$SCRIPTS_DIR:$PATH
 TORCH_CUDA=$("$PY" -c 'import torch; print(torch.version.cuda or "")')
 if [[ -z ${HOROVOD_GPU_OPERATIONS+set} && -n $TORCH_CUDA ]]; then
     HOROVOD_GPU_OPERATIONS=NCCL
-    echo "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build: building Horovod with NCCL (HOROVOD_GPU_OPERATIONS= for CPU only)"
+    echo "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build: building Horovod with NCCL" \
+        "(HOROVOD_GPU_OPERATIONS= for CPU only)"
 fi
 # CMake compares these case-sensitively ("gloo" would be silently ignored).
 GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}

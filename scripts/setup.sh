@@ -25,6 +25,6 @@ elif [ "${REQUIRE_HOROVOD:-0}" = 1 ]; then  # CI: every step, Horovod's too, or 
     exit 1
 else  # only step 06 needs it: the rest is ready
     echo "== ready: . .venv/bin/activate"
-    echo "setup: every step is ready except 06: Horovod could not be built (see above; it needs g++, make, cmake);" \
-        "build it later with: PYTHON=.venv/bin/python bash scripts/install_horovod.sh"
+    echo "setup: every step is ready except 06: Horovod could not be built (see above; it needs g++, make, cmake," \
+        "and with a CUDA torch nvcc and NCCL); build it later with: PYTHON=.venv/bin/python bash scripts/install_horovod.sh"
 fi

@@ -110,7 +110,8 @@ def test_a_stuck_rank_is_found_by_py_spy_and_the_flight_recorder(tmp_path, data)
         assert "faulty_step" not in dumps[0], dumps[0]
         for rank in ranks:
             rank.send_signal(signal.SIGUSR2)
-        output.until(r"rank 0: flight recorder written[\s\S]*rank 1: flight|rank 1: flight recorder written[\s\S]*rank 0: flight")  # (lines of 2 processes may interleave)
+        output.until(r"^rank 0: flight recorder written[\s\S]*^rank 1: flight|^rank 1: flight recorder written[\s\S]*"
+                     r"^rank 0: flight")  # each line is one write (scripts/inject_fault.py): never shared
         analysis = run([BIN / "torchfrtrace", tmp_path / "fr", "-p", "rank"]).output
         assert re.search(r"Not all ranks joining collective, sequence number: \d+", analysis), analysis
         assert "collective: gloo:broadcast" in analysis and "missing ranks: {1}" in analysis, analysis

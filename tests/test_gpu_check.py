@@ -108,8 +108,9 @@ def test_every_path_only_a_gpu_runs_is_planned_as_two_epochs_on_the_small_data(g
         marked = f"  (needs {needs} GPUs)" * (needs > gpus)
         assert command.endswith(" ".join(flags).replace(" N", f" {gpus}") + marked), command
         assert f" {step:02d}_cifar10_" in command and "/data/resume " in command and " --epochs 2" in command
-        assert command.startswith({"python": "python ", "legacy": "python -m torch.distributed.launch "}.get(
-            launcher, "")), command
+        starts = {"python": "python ", "legacy": "python -m torch.distributed.launch ", "torchrun": "torchrun --nproc",
+                  "deepspeed": "deepspeed --num_gpus ", "horovodrun": "horovodrun --gloo -np "}
+        assert command.startswith(starts[launcher or gpu_check.LAUNCHER[step]]), command
     assert {label for label, *_ in gpu_check.PATHS} >= {
         "04 --sync-bn", "06 --sync-bn", "07 --amp-backend apex --sync-bn", "08 --sync-bn", "04 --compile",
         "04 --grad-accum 2", "04 --spawn N", "04 legacy launcher", "05 --zero-stage 3", "04 --amp fp16",
