@@ -226,13 +226,14 @@ def check(run, c):
     digests = {path.name: path.read_text() for path in (base / out).glob("weights-rank*.sha256")}
     bad = verdict(status, output) or ([r["epoch"] for r in rows] != list(range(1, epochs + 1))
                                       and ("failed", "exit 0, but metrics.jsonl lacks epochs")) or run.path and (
-        (sorted(digests) != [f"weights-rank{r}.sha256" for r in range(run.nproc)] or len(set(digests.values())) > 1)
+        (set(digests) != {f"weights-rank{r}.sha256" for r in range(run.nproc)} or len(set(digests.values())) > 1)
         and ("failed", f"not every rank ended with the same weights: {sorted(digests)}")
         or not all(math.isfinite(r[key]) for r in rows for key in ("train_loss", "test_loss"))
         and ("failed", "a loss is not finite")
         or run.step == 2 and "emulated" not in output and ("failed", "--amp bf16 did not say it is emulated"))
     if bad or run.path:
-        row.update(outcome=bad[0] if bad else "ok", why=bad and bad[1], test_acc=rows[-1]["test_acc"] if rows else None)
+        row.update(outcome=bad[0] if bad else "ok", why=bad[1] if bad else None,
+                   test_acc=rows[-1]["test_acc"] if rows else None)
         return row
     timed = rows[1:] or rows  # epoch 1 pays the start: workers, cuDNN's algorithm search
     amp = re.search(r"\bamp (\w+(?: \([^)]*\))?), .*steps/epoch", output)
