@@ -151,6 +151,8 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex):  # A
     if apex:  # Apex: the legacy API patches model and optimizer in place (--opt-level); then its DDP wraps the model
         model, optimizer = apex.amp.initialize(model, optimizer, opt_level=args.opt_level)
         model = apex.parallel.DistributedDataParallel(model)  # Apex: collective: broadcasts rank 0's parameters
+        optimizer.zero_grad()  # Apex: O2 makes its fp32 master weights now (not at the first step): from rank 0's
+        # weights, and before --resume loads into them
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
     # Apex: on the legacy path apex.amp owns the loss scale; its state_dict()/load_state_dict() fill the "scaler" slot.
     scaler = apex.amp if apex else torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -219,17 +221,32 @@ def evaluate(args, model, loader, device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- checkpoint
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    # Apex: O2/O3 keep fp16 weights in the model; the common format holds fp32 ones, which 01-04 load as their own.
-    model_state = {name: t.float() if t.is_floating_point() else t for name, t in model.module.state_dict().items()}
+def master_weights(model, optimizer, apex):  # Apex:
+    # Apex: O2 keeps fp16 weights in the model and trains fp32 copies of them, its "master weights", in the optimizer:
+    # {name: the weight the optimizer trains}; off the legacy path {} (there the model's own weights are trained)
+    names = [name for name, _ in model.module.named_parameters()]  # Apex: in the optimizer's order
+    return dict(zip(names, apex.amp.master_params(optimizer))) if apex else {}  # Apex:
+
+
+def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info, apex):  # Apex:
+    # Apex: the common format holds fp32 weights, which 01-04 load as their own: under O2 the masters, under O3 the
+    # model's fp16 weights cast (they have no masters).
+    masters = master_weights(model, optimizer, apex)  # Apex:
+    model_state = {name: masters.get(name, t).float() if t.is_floating_point() else t  # Apex: masters.get
+                   for name, t in model.module.state_dict().items()}
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
                            model_state=model_state, optimizer=optimizer, scheduler=scheduler,  # Apex: (see above)
                            scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
 
 
-def resume(args, model, optimizer, scheduler, scaler):
+def resume(args, model, optimizer, scheduler, scaler, apex):  # Apex:
     # --resume's checkpoint into the objects; (epochs done, steps done, {epoch: its part done} if it stopped part-way)
-    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler,
+    def load_weights(saved):  # Apex: into the model (rounded to fp16 under O2) and, exact, into O2's fp32 masters
+        model.module.load_state_dict(saved)  # Apex: (what 04 passes resume as model=)
+        for name, master in master_weights(model, optimizer, apex).items():  # Apex:
+            master.detach().copy_(saved[name])  # Apex: (the optimizer's state then loads in fp32, as they are)
+
+    return checkpoint.resume(args, model=load_weights, optimizer=optimizer, scheduler=scheduler,  # Apex: load_weights
                              # Apex: GradScaler's and apex.amp's states do not fit each other: the other's starts afresh
                              scaler=lambda saved: ("loss_scaler0" in saved) != isinstance(scaler, torch.amp.GradScaler)
                              and scaler.load_state_dict(saved),
@@ -266,7 +283,7 @@ def main(argv=None):
     model = prepare_model(args, build_model(args, info), device, apex)  # Apex:
     steps_per_epoch = len(train_loader) // args.grad_accum
     model, optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype, apex)  # Apex:
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler, apex)  # Apex:
     train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
     log.start(device, f"apex.amp {args.opt_level}" if apex else amp_dtype, train_loader)  # Apex: who casts, and how
@@ -282,7 +299,7 @@ def main(argv=None):
         if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
         if rank == 0:  # DDP: one writer; the others would race on the same files
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
+            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info, apex)  # Apex:
         log.epoch(row)
         dist.barrier()  # DDP: collective: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
         # DDP: collective: a stop signal (agreed by all), or --stop-after: continue with --resume auto

@@ -8,7 +8,8 @@ bf16 where the GPU computes it natively); after each default run a resume check:
 --stop-after 1 then --resume auto, with fixed kernels (cuDNN deterministic, no per-process algorithm search, no
 Horovod fusion), every rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs 2..E, peak GPU memory,
 and for 02 its loop against its own train_one_epoch on batches already on the GPU (pure compute). Then PATHS, each a
-2-epoch run on the small data that must exit 0 with equal weights on every rank. Any failure fails the check; only no
+2-epoch run on the small data that must exit 0 with equal weights on every rank (those whose checkpoints hold a
+loss scaler's state or Apex's master weights: and then resume bit for bit). Any failure fails the check; only no
 GPU (a CPU rehearsal), too few GPUs, emulated or native bf16 where a row needs the other, or a library not installed
 (DeepSpeed, Horovod, Apex) is a skip, with why. Results: a table, WORK/results.json, docs/benchmark-gpu.md.
 Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU, no CUDA torch, a package
@@ -72,14 +73,18 @@ PATHS = [
     ("08 --amp fp16", 8, None, ["--amp", "fp16"], 1),  # ShardedGradScaler
     ("08 --sync-bn", 8, None, ["--sync-bn"], 2),
 ]
+# Paths whose checkpoints hold what a default run's do not (a loss scaler's state, apex.amp's, O2's fp32 master
+# weights): the resume check after their run too.
+RESUMED_PATHS = {"04 --amp fp16", "05 --amp fp16", "06 --amp fp16", "07 --amp fp16", "08 --amp fp16",
+                 "07 --amp-backend apex", "07 --amp-backend apex --opt-level O2"}
 say = functools.partial(print, flush=True)
 
 
 def plan(steps, gpus):
     """The timed runs: each step through its launcher as the README starts it, 02 also with --amp fp16 and bf16; then
-    the PATHS of those steps (path=True), each with every GPU (--spawn N: N = the GPUs)."""
+    the PATHS of those steps (path=True), each with every GPU (--spawn N: N = the GPUs). resume: a resume check too."""
     timed = [types.SimpleNamespace(
-        step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus,
+        step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus, resume=not amp,
         script=next(REPO.glob(f"{step:02d}_cifar10_*.py")), slug=f"{step:02d}-{amp or 'auto'}",
         label=f"{step:02d}" + (f" --amp {amp}" if amp else ""), path=False, needs=1,
         args=(["--deepspeed_config", "ds_config.json"] if step == 5 else []) + (["--amp", amp] if amp else []))
@@ -87,7 +92,7 @@ def plan(steps, gpus):
     return timed + [types.SimpleNamespace(
         step=step, amp=None, launcher=launcher or LAUNCHER[step], script=next(REPO.glob(f"{step:02d}_cifar10_*.py")),
         nproc=1 if (launcher or LAUNCHER[step]) == "python" and "--spawn" not in flags else gpus, needs=needs,
-        slug=re.sub(r"\W+", "-", label).strip("-"), label=label, path=True,
+        slug=re.sub(r"\W+", "-", label).strip("-"), label=label, path=True, resume=label in RESUMED_PATHS,
         args=[str(gpus) if flag == "N" else flag for flag in flags]) for label, step, launcher, flags, needs in PATHS
         if step in steps]
 
@@ -233,7 +238,8 @@ def check(run, c):
         or run.step == 2 and "emulated" not in output and ("failed", "--amp bf16 did not say it is emulated"))
     if bad or run.path:
         row.update(outcome=bad[0] if bad else "ok", why=bad[1] if bad else None,
-                   test_acc=rows[-1]["test_acc"] if rows else None)
+                   test_acc=rows[-1]["test_acc"] if rows else None, resume=None if bad or not run.resume
+                   else resume_check(run, c))
         return row
     timed = rows[1:] or rows  # epoch 1 pays the start: workers, cuDNN's algorithm search
     amp = re.search(r"\bamp (\w+(?: \([^)]*\))?), .*steps/epoch", output)
@@ -248,7 +254,7 @@ def check(run, c):
             row["loop_vs_compute"] = row["images_per_sec"] / row["compute_images_per_sec"]
         except Exception as error:  # a failure the report shows, like a run's
             row.update(outcome="failed", why=f"pure compute rate: {type(error).__name__}: {error}")
-    if run.amp is None:
+    if run.resume:
         row["resume"] = resume_check(run, c)
     return row
 
@@ -320,14 +326,14 @@ def main(argv=None):
     check_packages()
     if args.dry_run:
         say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run, its resume check; "
-            "then each path")
+            "then each path (and the resume check of those whose checkpoints hold more)")
         for run in plan(args.steps, args.gpus or 1):
             base, out = work / "runs" / run.slug, "run" if run.path else "timed"
             timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
                             2 if run.path else args.epochs, flags)
             needs = f"  (needs {run.needs} GPUs)" if run.needs > (args.gpus or 1) else ""
             say(f"{run.label}:\n  {shown(timed)}{needs}")
-            for out, more in RESUME if run.amp is None and not run.path else []:
+            for out, more in RESUME if run.resume else []:
                 say(f"  {shown(command(run, work / 'data' / 'resume', base / out, 2, flags, *more))}")
         return 0
     device, gpus, name = find_device(args)

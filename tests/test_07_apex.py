@@ -5,7 +5,8 @@ tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N
 torchrun, ending with step 04's bits. The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU
 and a built Apex: neither exists here, so they are untested; these tests check what a reader without
 them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the other bad input). Only the legacy
-path's own lines run here, on 2 CPU ranks with a stand-in of Apex's interface (APEX_STAND_IN).
+path's own lines run here, on 2 CPU ranks with a stand-in of Apex's interface at O2 (APEX_STAND_IN): buffers
+synced, and a resume bit for bit through the fp32 master weights.
 """
 import os
 
@@ -107,38 +108,125 @@ class LegacyDDP(torch.nn.Module):
     def forward(self, *inputs):
         return self.module(*inputs)
 
-apex = types.SimpleNamespace(
-    amp=types.SimpleNamespace(initialize=lambda model, optimizer, opt_level: (model, optimizer),
-                              scale_loss=lambda loss, optimizer: contextlib.nullcontext(loss)),
-    parallel=types.SimpleNamespace(DistributedDataParallel=LegacyDDP))
+def initialize(model, optimizer, opt_level):
+    # apex.amp.initialize at O2 (tag 25.05: _initialize.py, _process_optimizer.py; loss scale 1): an fp16 model with
+    # fp32 batch norm and fp32 outputs; the optimizer patched to train fp32 masters, made lazily (zero_grad or
+    # scale_loss, whichever comes first) from the fp16 weights it holds then, and copied into the model after each step
+    assert opt_level == "O2"
+    for module in model.modules():
+        if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                t.data = t.data.half()
+    forward, step, pairs = model.forward, optimizer.step, []
+    model.forward = lambda *inputs: forward(*inputs).float()
+
+    def lazy_init():  # lazy_init_with_master_weights
+        if optimizer.stash is None:
+            for group in optimizer.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if p.dtype == torch.half:
+                        group["params"][i] = master = p.detach().clone().float().requires_grad_()
+                        pairs.append((p, master))
+                        if p in optimizer.state:
+                            optimizer.state[master] = optimizer.state.pop(p)
+            optimizer.stash = pairs
+            optimizer.load_state_dict(optimizer.state_dict())  # its state recast to the masters' fp32
+
+    def new_step(self):
+        step()
+        for p, master in pairs:
+            p.data.copy_(master.data)
+            master.grad = None
+
+    def new_zero_grad(self):
+        lazy_init()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.zero_()
+        for p, _ in pairs:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    @contextlib.contextmanager
+    def scale_loss(loss, optimizer):
+        lazy_init()
+        yield loss
+        for p, master in pairs:  # post_backward_with_master_weights: the fp16 gradients, unscaled, into fp32 ones
+            master.grad = p.grad.float()
+
+    optimizer.stash = None  # methods bound to it, as Apex's (the schedule wraps step())
+    optimizer.step = types.MethodType(new_step, optimizer)
+    optimizer.zero_grad = types.MethodType(new_zero_grad, optimizer)
+    amp.scale_loss = scale_loss
+    return model, optimizer
+
+amp = types.SimpleNamespace(initialize=initialize, state_dict=lambda: {"loss_scaler0": {"loss_scale": 1.0}},
+                            load_state_dict=lambda saved: None,
+                            master_params=lambda optimizer: (p for g in optimizer.param_groups for p in g["params"]))
+apex = types.SimpleNamespace(amp=amp, parallel=types.SimpleNamespace(DistributedDataParallel=LegacyDDP))
 step = runpy.run_path(sys.argv[1], run_name="step07")
 dist.init_process_group("gloo")
 rank, cpu = dist.get_rank(), torch.device("cpu")
-args = step["parse_args"](["--data-dir", "unused", "--batch-size", "8", "--workers", "0", "--amp-backend", "apex"])
-torch.manual_seed(rank)  # each rank its own start (the wrapper makes rank 0's the start of all) and its own images
-model = step["prepare_model"](args, step["build_model"](args, data.Info(10, data.MEAN, data.STD)), cpu, apex)
-model, optimizer, scheduler, scaler = step["build_optimizer"](args, model, 3, cpu, None, apex)
-batches = [(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,))) for _ in range(3)]
-meter = metrics.Meter(args, 3)
-meter.start(None, 0)
-step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, cpu, None,
-                        types.SimpleNamespace(requested=lambda steps: False), meter, apex)
-state = model.module.state_dict()
-names = [name for name, _ in model.module.named_buffers() if name in state]  # batch-norm statistics
-everyone = [None, None]
-dist.all_gather_object(everyone, {name: state[name] for name in state})
+args = step["parse_args"](["--data-dir", "unused", "--batch-size", "8", "--workers", "0", "--amp-backend", "apex",
+                           "--opt-level", "O2", "--epochs", "2", "--out-dir", sys.argv[2]])
+info = data.Info(10, data.MEAN, data.STD)
+torch.manual_seed(rank)  # each rank its own images (8 x 8 pixels: fp16 is slow on a CPU)
+batches = [(torch.randint(0, 256, (8, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 10, (8,))) for _ in range(2)]
+
+def build():  # each rank its own start: the wrapper must make rank 0's the start of all
+    model = step["prepare_model"](args, step["build_model"](args, info), cpu, apex)
+    return step["build_optimizer"](args, model, 2, cpu, None, apex)
+
+def train(model, optimizer, scheduler, scaler):
+    meter = metrics.Meter(args, 2)
+    meter.start(None, 0)
+    step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, cpu, None,
+                            types.SimpleNamespace(requested=lambda steps: False), meter, apex)
+
+def everything(model, optimizer):  # the model's fp16 weights and fp32 buffers, the masters, the momentum
+    masters = step["master_weights"](model, optimizer, apex)
+    return {**model.module.state_dict(), **{"master " + n: m for n, m in masters.items()},
+            **{"momentum " + n: optimizer.state[m]["momentum_buffer"] for n, m in masters.items()}}
+
+torch.manual_seed(rank)
+run = build()
+train(*run)
 if rank == 0:
-    (mine, other) = everyone
+    step["save_checkpoint"](args, 1, 2, run[0], *run[1:], {"epoch": 1}, info, apex)
+dist.barrier()
+train(*run)
+whole = everything(*run[:2])
+torch.manual_seed(rank + 10)
+again = build()
+args.resume = "auto"
+step["resume"](args, *again, apex)
+train(*again)
+resumed = everything(*again[:2])
+names = [name for name, _ in run[0].module.named_buffers() if name in whole]  # batch-norm statistics
+ranks = [None, None]
+dist.all_gather_object(ranks, whole)
+if rank == 0:
+    (mine, other) = ranks
     print("buffers", len(names), "equal" if all(torch.equal(mine[n], other[n]) for n in names) else "DIFFER")
     print("parameters", "equal" if all(torch.equal(mine[n], other[n]) for n in mine if n not in names) else "DIFFER")
+    print("O2 masters:", sum(t.dtype == torch.float32 and whole[n[7:]].dtype == torch.half
+                             for n, t in whole.items() if n.startswith("master ")), "fp32 copies of fp16 weights")
+different = [n for n in whole if not torch.equal(whole[n], resumed[n])]
+print(f"rank {rank} resumed:", f"{len(different)} DIFFER, e.g. {different[:3]}" if different else "equal")
 dist.destroy_process_group()
 """
 
 
-def test_the_legacy_path_ends_with_rank_0_s_batch_norm_statistics_on_every_rank(tmp_path):
-    """apex.parallel.DistributedDataParallel broadcasts parameters only: with its interface's stand-in and the default
-    model (batch norm), 07's legacy lines must leave every rank with rank 0's buffers, as 04's DDP does."""
+def test_the_legacy_path_at_o2_syncs_buffers_and_resumes_bit_for_bit(tmp_path):
+    """With stand-ins of Apex's interface at O2 and the default model (batch norm), on 2 ranks: apex's DDP broadcasts
+    parameters only, so 07's legacy lines must leave every rank with rank 0's buffers, as 04's DDP does; and O2 trains
+    fp32 master weights the model holds only rounded to fp16, so a resumed run must restore the masters and their
+    momentum exactly (the checkpoint holds them) and end as the uninterrupted run does, bit for bit."""
     stand_in = tmp_path / "apex_stand_in.py"
     stand_in.write_text(APEX_STAND_IN)
-    proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in, script(7)])
-    assert "buffers 60 equal" in proc.output and "parameters equal" in proc.output, proc.output[-3000:]
+    proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in, script(7),
+                tmp_path / "out"])
+    for line in ("buffers 60 equal", "parameters equal", "O2 masters: 22 fp32 copies of fp16 weights",
+                 "rank 0 resumed: equal", "rank 1 resumed: equal"):
+        assert line in proc.output, proc.output[-3000:]

@@ -90,21 +90,35 @@ def test_the_dry_run_plans_every_step_on_its_default_path_through_its_launcher()
         if "--amp" in label:
             assert len(commands) == 1, commands
             continue
-        reference, stopped, resumed = (re.sub(r"--master_port=\d+ ", "", c) for c in commands[1:])
-        assert " --epochs 2" in reference and "/reference " in reference and "--data-dir" in reference
-        assert stopped == reference.replace("/reference ", "/resumed ") + " --stop-after 1"
-        assert resumed == reference.replace("/reference ", "/resumed ") + " --resume auto"
+        assert_resume_triple(commands[1:])
     for label, commands in dry_run("--steps", "04", "--", "--arch", "cnn").items():  # flags after -- go to every run
-        assert len(commands) == (4 if label == "04" else 1) and all(" --arch cnn" in command for command in commands)
+        assert len(commands) == (4 if label in ("04", *gpu_check.RESUMED_PATHS) else 1)
+        assert all(" --arch cnn" in command for command in commands)
+
+
+def assert_resume_triple(commands):
+    """2 epochs into reference/; 1 into resumed/ and stop; continue it with --resume auto: the same command else."""
+    reference, stopped, resumed = (re.sub(r"--master_port=\d+ ", "", c) for c in commands)
+    assert " --epochs 2" in reference and "/reference " in reference and "--data-dir" in reference
+    assert stopped == reference.replace("/reference ", "/resumed ") + " --stop-after 1"
+    assert resumed == reference.replace("/reference ", "/resumed ") + " --resume auto"
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_every_path_only_a_gpu_runs_is_planned_as_two_epochs_on_the_small_data(gpus):
     """--sync-bn, --compile, --grad-accum, --spawn, the legacy launcher, ZeRO-3, fp16 on 04-08, --fp16-allreduce, the
-    Apex paths, emulated bf16: one row each; with one GPU the rows that need two are marked (and skipped when run)."""
+    Apex paths, emulated bf16: one row each; with one GPU the rows that need two are marked (and skipped when run).
+    Those whose checkpoints hold more than a default run's (a scaler's state, O2's masters) are resume-checked too."""
     runs = dry_run("--gpus", gpus)
+    assert gpu_check.RESUMED_PATHS <= set(runs) and {"07 --amp-backend apex --opt-level O2", "08 --amp fp16"} <= \
+        gpu_check.RESUMED_PATHS  # checkpoints with more than a default run's: O2's masters, a scaler's state
     for label, step, launcher, flags, needs in gpu_check.PATHS:
-        (command,) = runs[label]
+        command, *resume = runs[label]
+        if label in gpu_check.RESUMED_PATHS:
+            assert_resume_triple(resume)
+            assert resume[0].endswith(" ".join(flags)), resume
+        else:
+            assert not resume, resume
         marked = f"  (needs {needs} GPUs)" * (needs > gpus)
         assert command.endswith(" ".join(flags).replace(" N", f" {gpus}") + marked), command
         assert f" {step:02d}_cifar10_" in command and "/data/resume " in command and " --epochs 2" in command
