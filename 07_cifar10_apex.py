@@ -45,6 +45,7 @@ except ImportError:  # Apex: torch's SGD
 
 STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
+FIXED_SCALE = ("O0", "O3")  # Apex: apex.amp's levels with a fixed loss scale (O1, O2: dynamic, kept in checkpoints)
 
 
 # ----------------------------------------------------------------------------- argument parsing
@@ -232,11 +233,12 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
     # Apex: the common format holds fp32 weights, which 01-04 load as their own: under O2 the masters, under O3 the
     # model's fp16 weights cast (they have no masters).
     masters = master_weights(model, optimizer, apex)  # Apex:
-    model_state = {name: masters.get(name, t).float() if t.is_floating_point() else t  # Apex: masters.get
+    model_state = {name: masters.get(name, t).detach().float() if t.is_floating_point() else t  # Apex: masters.get
                    for name, t in model.module.state_dict().items()}
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
                            model_state=model_state, optimizer=optimizer, scheduler=scheduler,  # Apex: (see above)
-                           scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
+                           scaler=None if apex and args.opt_level in FIXED_SCALE else scaler,  # Apex: nothing to keep
+                           args=args, metrics=row, synthetic=info.synthetic)
 
 
 def resume(args, model, optimizer, scheduler, scaler, apex):  # Apex:
@@ -247,9 +249,10 @@ def resume(args, model, optimizer, scheduler, scaler, apex):  # Apex:
             master.detach().copy_(saved[name])  # Apex: (the optimizer's state then loads in fp32, as they are)
 
     return checkpoint.resume(args, model=load_weights, optimizer=optimizer, scheduler=scheduler,  # Apex: load_weights
-                             # Apex: GradScaler's and apex.amp's states do not fit each other: the other's starts afresh
+                             # Apex: GradScaler's and apex.amp's states do not fit each other: the other's starts
+                             # afresh; at O0 and O3 the loss scale is fixed at 1 (a saved dynamic one would stick)
                              scaler=lambda saved: ("loss_scaler0" in saved) != isinstance(scaler, torch.amp.GradScaler)
-                             and scaler.load_state_dict(saved),
+                             and not (apex and args.opt_level in FIXED_SCALE) and scaler.load_state_dict(saved),
                              verbose=dist.get_rank() == 0)  # plumbing: every rank reads it; one says so
 
 

@@ -161,8 +161,9 @@ def initialize(model, optimizer, opt_level):
     amp.scale_loss = scale_loss
     return model, optimizer
 
+loaded = []  # the amp states resume() loads
 amp = types.SimpleNamespace(initialize=initialize, state_dict=lambda: {"loss_scaler0": {"loss_scale": 1.0}},
-                            load_state_dict=lambda saved: None,
+                            load_state_dict=loaded.append,
                             master_params=lambda optimizer: (p for g in optimizer.param_groups for p in g["params"]))
 apex = types.SimpleNamespace(amp=amp, parallel=types.SimpleNamespace(DistributedDataParallel=LegacyDDP))
 step = runpy.run_path(sys.argv[1], run_name="step07")
@@ -203,6 +204,13 @@ args.resume = "auto"
 step["resume"](args, *again, apex)
 train(*again)
 resumed = everything(*again[:2])
+different = [n for n in whole if not torch.equal(whole[n], resumed[n])]
+args.opt_level = "O3"  # a fixed loss scale: neither saved nor loaded (a saved dynamic one would stick)
+step["resume"](args, *again, apex)
+path = step["save_checkpoint"](args, 9, 2, again[0], *again[1:], {"epoch": 9}, info, apex) if rank == 0 else None
+print(f"rank {rank} amp state loaded at O2 {len(loaded[:1])}, at O3 {len(loaded[1:])}")
+if rank == 0:
+    print("saved at O3:", torch.load(path, weights_only=True)["scaler"])
 names = [name for name, _ in run[0].module.named_buffers() if name in whole]  # batch-norm statistics
 ranks = [None, None]
 dist.all_gather_object(ranks, whole)
@@ -212,7 +220,6 @@ if rank == 0:
     print("parameters", "equal" if all(torch.equal(mine[n], other[n]) for n in mine if n not in names) else "DIFFER")
     print("O2 masters:", sum(t.dtype == torch.float32 and whole[n[7:]].dtype == torch.half
                              for n, t in whole.items() if n.startswith("master ")), "fp32 copies of fp16 weights")
-different = [n for n in whole if not torch.equal(whole[n], resumed[n])]
 print(f"rank {rank} resumed:", f"{len(different)} DIFFER, e.g. {different[:3]}" if different else "equal")
 dist.destroy_process_group()
 """
@@ -228,5 +235,6 @@ def test_the_legacy_path_at_o2_syncs_buffers_and_resumes_bit_for_bit(tmp_path):
     proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in, script(7),
                 tmp_path / "out"])
     for line in ("buffers 60 equal", "parameters equal", "O2 masters: 22 fp32 copies of fp16 weights",
-                 "rank 0 resumed: equal", "rank 1 resumed: equal"):
+                 "rank 0 resumed: equal", "rank 1 resumed: equal", "rank 0 amp state loaded at O2 1, at O3 0",
+                 "rank 1 amp state loaded at O2 1, at O3 0", "saved at O3: None"):
         assert line in proc.output, proc.output[-3000:]
