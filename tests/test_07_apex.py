@@ -172,8 +172,8 @@ rank, cpu = dist.get_rank(), torch.device("cpu")
 args = step["parse_args"](["--data-dir", "unused", "--batch-size", "8", "--workers", "0", "--amp-backend", "apex",
                            "--opt-level", "O2", "--epochs", "2", "--out-dir", sys.argv[2]])
 info = data.Info(10, data.MEAN, data.STD)
-torch.manual_seed(rank)  # each rank its own images (8 x 8 pixels: fp16 is slow on a CPU)
-batches = [(torch.randint(0, 256, (8, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 10, (8,))) for _ in range(2)]
+torch.manual_seed(rank)  # each rank its own images (4 of 4 x 4 pixels: fp16 is slow on a CPU)
+batches = [(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8), torch.randint(0, 10, (4,))) for _ in range(2)]
 
 def build():  # each rank its own start: the wrapper must make rank 0's the start of all
     model = step["prepare_model"](args, step["build_model"](args, info), cpu, apex)
