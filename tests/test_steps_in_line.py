@@ -9,7 +9,7 @@ This test diffs adjacent scripts statement by statement (a statement split over 
     targets): a changed learning rate, an evaluation fixed in one script only, a drifted checkpoint call,
   * demands that every call where the ranks meet (a collective) says so: `collective` in its marker,
   * keeps 01 -> 02 and 02 -> 03 as short as they are, every script within its length (01: 180 lines; a later step:
-    220 lines that are not its own lesson, so that its method never has to move out to fit), the same sections in the
+    225 lines that are not its own lesson, so that its method never has to move out to fit), the same sections in the
     same order, and the names of common/ that a reader looks up to follow a step at 15 or fewer.
 """
 import ast
@@ -35,7 +35,7 @@ SHORT = {"02_cifar10_gpu.py": 38, "03_cifar10_dataparallel.py": 34}  # changed l
 NOT_LESSON = 0.15  # most of a method's added statements that may be something else than its lesson
 PLUMBING = "plumbing:"
 MARKERS = {step: marker for _, step, marker in PAIRS}  # a script's own lesson marker
-MAX_LINES_01, MAX_NOT_LESSON = 180, 220  # 01's lines; a later step's lines that do not carry its marker
+MAX_LINES_01, MAX_NOT_LESSON = 180, 225  # 01's lines; a later step's lines that are not its lesson
 MAX_NAMES = 15
 MAX_COMMON = 1200  # lines in all of common/
 SECTIONS = ["argument parsing", "process/device setup", "data", "model", "optimizer and schedule",
@@ -161,9 +161,12 @@ def test_the_first_diffs_stay_as_short_as_they_are(base, step, marker):
 
 
 def lines_not_the_lesson(path):
-    """The script's lines, less those of the statements (and the comments above them) that carry its own marker."""
-    marker = MARKERS.get(path)
-    lesson = sum(found[3] for found in statements(path) if marker and carries(found, marker))
+    """The script's lines, less those of the statements (and the comments above them) that it adds or changes against
+    its predecessor and that carry its own marker, not plumbing's: a marker on code that is the predecessor's, or on a
+    block header over it, does not make that code the lesson."""
+    base = next((base for base, step, _ in PAIRS if step == path), None)
+    new = [found for _, block in added(base, path) for found in block] if base else []
+    lesson = sum(found[3] for found in new if carries(found, MARKERS[path]) and not carries(found, PLUMBING, True))
     return len((REPO / path).read_text().splitlines()) - lesson
 
 
@@ -267,8 +270,8 @@ def test_unmarked_drift_is_caught(tmp_path, monkeypatch):
 def test_the_readme_counts_each_method_diff_as_it_is():
     """The README's statement counts of the method diffs are this test's, not an older version's."""
     text = " ".join((REPO / "README.md").read_text().split())
-    said = {"04": re.search(r"the DDP lesson: (\d+) statements, (\d+) of them plumbing", text).groups(),
-            "05": re.search(r"05 adds or changes (\d+) statements \((\d+) of them plumbing\)", text).groups(),
+    said = {"04": re.search(r"the DDP lesson: (\d+) statements, (\d+) not the lesson", text).groups(),
+            "05": re.search(r"05 adds or changes (\d+) statements \((\d+) of them not the lesson\)", text).groups(),
             **{n: re.search(rf"\b{n} (\d+) \((\d+)\)", text).groups() for n in ("06", "07", "08")}}
     for base, step, marker in PAIRS[2:]:
         other, new = not_the_lesson(base, step, marker)
@@ -276,15 +279,19 @@ def test_the_readme_counts_each_method_diff_as_it_is():
 
 
 def test_a_lesson_line_without_its_marker_counts_against_the_diff(tmp_path, monkeypatch):
-    """The budget can fail: 04's markers stripped, its diff is mostly not the lesson; a collective stripped of its
-    marker is named."""
-    source = (REPO / "04_cifar10_ddp.py").read_text()
+    """The budget can fail: 04's markers stripped, its diff is mostly not the lesson and every line counts against its
+    length; a collective stripped of its marker is named; markers on block headers do not shorten the count."""
+    source, honest = (REPO / "04_cifar10_ddp.py").read_text(), lines_not_the_lesson("04_cifar10_ddp.py")
     (tmp_path / "04_cifar10_ddp.py").write_text(re.sub(r"# DDP:", "# note:", source))
     (tmp_path / "03_cifar10_dataparallel.py").write_text((REPO / "03_cifar10_dataparallel.py").read_text())
     monkeypatch.setattr("test_steps_in_line.REPO", tmp_path)
     other, new = not_the_lesson("03_cifar10_dataparallel.py", "04_cifar10_ddp.py", "DDP:")
     assert len(other) == len(new) > 20
     assert lines_not_the_lesson("04_cifar10_ddp.py") == len(source.splitlines())  # the length counts every line then
+    # A marker on block headers over 03's own code does not make that code 04's lesson: only the headers themselves.
+    marked, headers = re.subn(r"^(\s*for .*:)$", r"\1  # DDP: loop", source, flags=re.M)
+    (tmp_path / "04_cifar10_ddp.py").write_text(marked)
+    assert headers and honest - headers <= lines_not_the_lesson("04_cifar10_ddp.py") < honest
     (tmp_path / "04_cifar10_ddp.py").write_text(source.replace("collective", "meeting"))
     silent = silent_collectives("04_cifar10_ddp.py")
     assert any("dist.barrier()" in s for s in silent) and any(".backward(" in s for s in silent), silent
