@@ -3,15 +3,16 @@
     bash scripts/gpu_check.sh [--steps 02,04] [--dry-run --gpus 4] [-- flags for every run]   # docs/benchmark-gpu.md
     python scripts/gpu_check.py --rehearse-on-cpu --steps 02 -- --arch cnn --amp off --workers 0   # its machinery
 
-On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with --amp fp16, and --amp
-bf16 where the GPU computes it natively); after each default run a resume check: 2 epochs uninterrupted against
---stop-after 1 then --resume auto, with fixed kernels (cuDNN deterministic, no per-process algorithm search, no
-Horovod fusion), every rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs 2..E, peak GPU memory,
-and for 02 its loop against its own train_one_epoch on batches already on the GPU (pure compute). Then PATHS, each a
-2-epoch run on the small data that must exit 0 with equal weights on every rank (those whose checkpoints hold a
-loss scaler's state or Apex's master weights: and then resume bit for bit). Any failure fails the check; only no
-GPU (a CPU rehearsal), too few GPUs, emulated or native bf16 where a row needs the other, or a library not installed
-(DeepSpeed, Horovod, Apex) is a skip, with why. Results: a table, WORK/results.json, docs/benchmark-gpu.md.
+On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with --amp fp16, and
+--amp bf16 where the GPU computes it natively); after each default run (and 02 --amp fp16) a resume check: 2 epochs
+uninterrupted against --stop-after 1 then --resume auto, with fixed kernels (cuDNN deterministic, no per-process
+algorithm search, no Horovod fusion), every rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs
+2..E, peak GPU memory, and for 02 its loop against its own train_one_epoch on batches already on the GPU (pure
+compute). Then PATHS, each a 2-epoch run on the small data that must exit 0 with equal weights on every rank (those
+whose checkpoints hold a loss scale, fp16 and apex.amp, or O2's master weights: and then resume bit for bit). Any
+failure fails the check; only no GPU (a CPU rehearsal), too few GPUs, emulated or native bf16 where a row needs the
+other, or a library not installed (DeepSpeed, Horovod, Apex) is a skip, with why. Results: a table,
+WORK/results.json, docs/benchmark-gpu.md.
 Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU, no CUDA torch, a package
 every step needs is missing).
 """
@@ -73,10 +74,10 @@ PATHS = [
     ("08 --amp fp16", 8, None, ["--amp", "fp16"], 1),  # ShardedGradScaler
     ("08 --sync-bn", 8, None, ["--sync-bn"], 2),
 ]
-# Paths whose checkpoints hold what a default run's do not (a loss scaler's state, apex.amp's, O2's fp32 master
+# Paths whose checkpoints hold what a default run's do not (a loss scale: fp16 and apex.amp; O2's fp32 master
 # weights): the resume check after their run too.
 RESUMED_PATHS = {"04 --amp fp16", "05 --amp fp16", "06 --amp fp16", "07 --amp fp16", "08 --amp fp16",
-                 "07 --amp-backend apex", "07 --amp-backend apex --opt-level O2"}
+                 "07 --amp-backend apex", "07 --amp-backend apex --opt-level O2", "07 --amp-backend apex --sync-bn"}
 say = functools.partial(print, flush=True)
 
 
@@ -84,7 +85,8 @@ def plan(steps, gpus):
     """The timed runs: each step through its launcher as the README starts it, 02 also with --amp fp16 and bf16; then
     the PATHS of those steps (path=True), each with every GPU (--spawn N: N = the GPUs). resume: a resume check too."""
     timed = [types.SimpleNamespace(
-        step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus, resume=not amp,
+        step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus,
+        resume=amp != "bf16",  # the default runs and 02's fp16 run (its GradScaler's state) are resume-checked
         script=next(REPO.glob(f"{step:02d}_cifar10_*.py")), slug=f"{step:02d}-{amp or 'auto'}",
         label=f"{step:02d}" + (f" --amp {amp}" if amp else ""), path=False, needs=1,
         args=(["--deepspeed_config", "ds_config.json"] if step == 5 else []) + (["--amp", amp] if amp else []))
@@ -213,9 +215,9 @@ def compute_rate(flags, data, device):
 
 
 def check(run, c):
-    """The row of one run: the timed run, its measurements, and for a default run the resume check; a path's run (2
-    epochs on the small data: a few steps on many GPUs, so no accuracy is asked) must log finite losses and end with
-    equal weights on every rank."""
+    """The row of one run: the timed run, its measurements; a path's run (2 epochs on the small data: a few steps on
+    many GPUs, so no accuracy is asked) must log finite losses and end with equal weights on every rank. Then, where
+    run.resume (the default runs, 02 --amp fp16, RESUMED_PATHS), the resume check."""
     from common import metrics
 
     base, out, epochs = c.work / "runs" / run.slug, "run" if run.path else "timed", 2 if run.path else c.epochs
@@ -325,8 +327,8 @@ def main(argv=None):
     work = args.work_dir.resolve()
     check_packages()
     if args.dry_run:
-        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run, its resume check; "
-            "then each path (and the resume check of those whose checkpoints hold more)")
+        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run and 02 --amp "
+            "fp16, its resume check; then each path (and the resume check of those whose checkpoints hold more)")
         for run in plan(args.steps, args.gpus or 1):
             base, out = work / "runs" / run.slug, "run" if run.path else "timed"
             timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
