@@ -261,6 +261,15 @@ def check(run, c):
     return row
 
 
+def failures(rows):
+    """'run: why' of every failed row; a resume that is not exact fails its row (so the counts say so too)."""
+    for r in rows:
+        if r["resume"] not in (None, "equal"):
+            before = [r["why"]] if r["outcome"] == "failed" else []
+            r.update(outcome="failed", why="; ".join([*before, f"resume: {r['resume']}"]))
+    return [f"{r['run']}: {r['why']}" for r in rows if r["outcome"] == "failed"]
+
+
 def table(rows):
     formats = {"test_acc": ".3f", "images_per_sec": ",.0f", "compute_images_per_sec": ",.0f", "loop_vs_compute": ".0%",
                "peak_memory_mb": ",.0f"}
@@ -351,8 +360,7 @@ def main(argv=None):
     (work / "deterministic").mkdir(exist_ok=True)
     (work / "deterministic" / "sitecustomize.py").write_text(DETERMINISTIC)
     rows = [check(run, c) for run in plan(args.steps, gpus)]
-    failed = ([f"{r['run']}: {r['why']}" for r in rows if r["outcome"] == "failed"]
-              + [f"{r['run']} resume: {r['resume']}" for r in rows if r["resume"] not in (None, "equal")])
+    failed = failures(rows)
     counts = {outcome: sum(r["outcome"] == outcome for r in rows) for outcome in ("ok", "failed", "skipped")}
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed, "runs": rows,
                "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",

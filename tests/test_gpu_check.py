@@ -97,6 +97,16 @@ def test_the_dry_run_plans_every_step_on_its_default_path_through_its_launcher()
         assert all(" --arch cnn" in command for command in commands)
 
 
+def test_a_resume_that_is_not_exact_fails_its_row():
+    rows = [{"run": "04", "outcome": "ok", "why": None, "resume": "differs: other weights"},
+            {"run": "05", "outcome": "failed", "why": "did not learn", "resume": "differs: the ranks"},
+            {"run": "06", "outcome": "ok", "why": None, "resume": "equal"},
+            {"run": "07", "outcome": "skipped", "why": "needs NVIDIA Apex", "resume": None}]
+    assert gpu_check.failures(rows) == ["04: resume: differs: other weights",
+                                        "05: did not learn; resume: differs: the ranks"]
+    assert [r["outcome"] for r in rows] == ["failed", "failed", "ok", "skipped"]
+
+
 def assert_resume_triple(commands):
     """2 epochs into reference/; 1 into resumed/ and stop; continue it with --resume auto: the same command else."""
     reference, stopped, resumed = (re.sub(r"--master_port=\d+ ", "", c) for c in commands)
