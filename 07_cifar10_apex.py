@@ -244,7 +244,7 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 def resume(args, model, optimizer, scheduler, scaler, apex):  # Apex:
     # --resume's checkpoint into the objects; (epochs done, steps done, {epoch: its part done} if it stopped part-way)
     def load_weights(saved):  # Apex: into the model (rounded to fp16 under O2) and, exact, into O2's fp32 masters
-        model.module.load_state_dict(saved)  # Apex: (what 04 passes resume as model=)
+        model.module.load_state_dict(saved)  # Apex: the model, as 04 loads it
         for name, master in master_weights(model, optimizer, apex).items():  # Apex:
             master.detach().copy_(saved[name])  # Apex: (the optimizer's state then loads in fp32, as they are)
 
