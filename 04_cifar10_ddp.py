@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.utils.distributed import get_free_port  # DDP: --spawn's port
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import checkpoint, data, metrics, models, preempt
@@ -190,8 +191,9 @@ def run_as_rank(local_rank, argv, world_size):
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:  # DDP: started without a launcher: be a group of one
-        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet, at a
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(get_free_port()) if args.spawn else "0"),  # free
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # port (0: the OS picks one when no one else meets)
         if args.spawn:  # DDP: or --spawn N: mp.spawn starts N processes, each runs main() as a rank (run_as_rank)
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))  # as torchrun does
             try:

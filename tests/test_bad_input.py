@@ -5,10 +5,12 @@ Runtime errors run the scripts for real: steps 01-03 in-process through main() (
 command line reaches), the distributed steps' main() in one process per step (world size 1), and a
 failure under every launcher through the launcher.
 """
+import contextlib
 import importlib.util
 import json
 import re
 import shutil
+import socket
 
 import pytest
 import torch
@@ -64,6 +66,17 @@ def bad_cases(tmp_path, cifar_dir):
     }
 
 
+@pytest.fixture
+def default_port_taken():
+    """Another job on this machine holds torch's default port, 29500 (or something already does): a step started
+    without a launcher (a group of one, or --spawn) must not need it."""
+    with socket.socket() as held:
+        with contextlib.suppress(OSError):  # taken already: as good
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        yield
+
+
 @pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("01", "02", "03")])
 def test_runtime_errors_single_process(name, tmp_path, cifar_dir, capsys):
     module = load_script(name)
@@ -116,7 +129,7 @@ REFUSED_ON_CPU = {
 
 
 @pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("04", "05", "06", "07", "08")])
-def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir):
+def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir, default_port_taken):
     refused = REFUSED_ON_CPU.get(name[:2], {})
     bad = {case: (extra, [complaint]) for case, (extra, complaint) in bad_cases(tmp_path, cifar_dir).items()}
     cases = {case: [str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / case,
@@ -143,7 +156,8 @@ OUR_FRAMES = re.compile(r'File "[^"]*(0\d_cifar10_\w+\.py|common/\w+\.py)", line
 
 @pytest.mark.parametrize("failure", ["offline-no-data", "bad-checkpoint"])
 @pytest.mark.parametrize("launcher", LAUNCHED)
-def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure, tmp_path, cifar_dir):
+def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure, tmp_path, cifar_dir,
+                                                              default_port_taken):
     """The README's first command on a machine without internet (no data, no download), and a bad --resume: the
     cause in one line among the last 10 the user sees, no traceback of our code, the other rank silent or one
     "stopping:" line. torchrun (and the legacy launcher, which is torchrun) closes with its own report, which
