@@ -4,6 +4,7 @@ Every test starts the numbered scripts as separate processes, through the launch
 gives (python, torchrun, torch.distributed.launch, deepspeed, horovodrun), on a small
 synthetic CIFAR-10 written in the real on-disk format and read by torchvision's CIFAR10 class.
 """
+import contextlib
 import json
 import os
 import pickle
@@ -262,6 +263,19 @@ class Output:
         """The time of the first line that matches `pattern` (a regular expression), or None."""
         return next((at for at, line in zip(list(self.times), list(self.lines)) if re.search(pattern, line)), None)
 
+    def stacks(self):
+        """Where each process of the job is now (py-spy dump of each): what a test reports after waiting in vain."""
+        import psutil
+
+        dumps = []
+        with contextlib.suppress(psutil.Error):
+            for process in [psutil.Process(self.job.pid), *psutil.Process(self.job.pid).children(recursive=True)]:
+                with contextlib.suppress(psutil.Error, subprocess.SubprocessError):
+                    dump = subprocess.run([BIN / "py-spy", "dump", "--pid", str(process.pid)], capture_output=True,
+                                          text=True, timeout=30)
+                    dumps.append(f"== {' '.join(process.cmdline())[:160]}\n{(dump.stdout or dump.stderr)[-2500:]}")
+        return "\n".join(["where each process of the job is (py-spy dump):", *dumps])
+
     def until(self, pattern, timeout=120):
         """Wait until the output so far matches `pattern` (a regular expression, re.M: ^ is a line's start); returns it."""
         import time
@@ -269,11 +283,12 @@ class Output:
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.text, re.M):
             assert self.job.poll() is None or self.thread.is_alive(), f"no line like {pattern!r}:\n{self.text[-4000:]}"
-            assert time.monotonic() < deadline, f"no line like {pattern!r} in {timeout} s:\n{self.text[-4000:]}"
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line like {pattern!r} in {timeout} s:\n{self.text[-4000:]}\n{self.stacks()}")
             time.sleep(0.02)
         return self.text
 
-    def ends_within(self, pattern, seconds, timeout=300):
+    def ends_within(self, pattern, seconds, timeout=120):
         """Wait for the job to end, and fail if it was still running `seconds` after its first line that matches
         `pattern` (then its process group is killed: a hang at exit). Returns (exit status, seconds it took)."""
         import signal
@@ -283,9 +298,10 @@ class Output:
         try:
             self.job.wait(timeout=max(0.0, self.when(pattern) + seconds - time.monotonic()))
         except subprocess.TimeoutExpired:
+            stacks = self.stacks()
             os.killpg(self.job.pid, signal.SIGKILL)
             self.thread.join(10)
-            raise AssertionError(f"still running {seconds} s after its line {pattern!r}:\n{self.text[-4000:]}")
+            raise AssertionError(f"still running {seconds} s after its line {pattern!r}:\n{self.text[-4000:]}\n{stacks}")
         ended = time.monotonic()
         self.thread.join(10)
         return self.job.returncode, ended - self.when(pattern)

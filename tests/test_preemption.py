@@ -65,7 +65,7 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
             process.send_signal(sig)
     # Every process ends within seconds of rank 0's last line (its DataLoader workers, which keep the signals
     # blocked, too: a worker left at exit would hold its rank forever, tests/test_exit.py).
-    output.ends_within("stopped after step", EXIT_GRACE, timeout=120)
+    output.ends_within("stopped after step", EXIT_GRACE)
     text = output.text
     assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text  # launchers: their own code
     assert "Traceback" not in text.split("stopped after step")[0], text
