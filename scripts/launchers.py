@@ -6,7 +6,9 @@ scripts/benchmark.py) and of free_port() for the scripts themselves.
     launch_command("torchrun", 2, "04_cifar10_ddp.py") + ["--arch", "cnn"]
     run(that, timeout=600)                  # from the repository root, in env()
 """
+import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,10 +25,14 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 
 
 def free_port():
-    """A TCP port on 127.0.0.1 that is free right now (for --master_port / MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now (for --master_port / MASTER_PORT), below Linux's ephemeral range
+    (32768 and up): a launcher binds it seconds later, and a port the system hands out meanwhile (to gloo's
+    connections, to a world of one's port 0) is never this one. Above the Slurm scripts' 20000 + job id."""
+    while True:
+        port = random.randrange(21000, 32768)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
 
 
 def launch_command(launcher, nproc, script):
