@@ -250,8 +250,9 @@ def resume(args, engine, found, rank):
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:  # DDP: started without a launcher: be a group of one
-        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet; port 0:
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "0"), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # any
+        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet, at a
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "0"),  # free
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # port (0: the OS picks one when no one else meets)
     device, amp_dtype, rank, world_size = setup(args)  # DDP: joins the process group
     group = dist.new_group(backend="gloo")  # DDP: collective: a CPU group of its own for the stop flag
     # DDP: collective: a stop signal on any rank stops them all after the same step: a max over ranks, started every
