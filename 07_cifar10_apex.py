@@ -269,7 +269,7 @@ def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:  # DDP: started without a launcher: be a group of one
         os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet, at a
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(get_free_port()) if args.spawn else "0"),  # free
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(get_free_port() if args.spawn else 0),  # free
                           RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # port (0: the OS picks one when no one else meets)
         if args.spawn:  # DDP: or --spawn N: mp.spawn starts N processes, each runs main() as a rank (run_as_rank)
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))  # as torchrun does

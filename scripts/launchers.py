@@ -27,12 +27,13 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 def free_port():
     """A TCP port on 127.0.0.1 that is free right now (for --master_port / MASTER_PORT), below Linux's ephemeral range
     (32768 and up): a launcher binds it seconds later, and a port the system hands out meanwhile (to gloo's
-    connections, to a world of one's port 0) is never this one. Above the Slurm scripts' 20000 + job id."""
-    while True:
+    connections, to a world of one's port 0) is never this one."""
+    for _ in range(1000):
         port = random.randrange(21000, 32768)
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             return port
+    raise RuntimeError("no free TCP port on 127.0.0.1 in 21000-32767")
 
 
 def launch_command(launcher, nproc, script):

@@ -270,10 +270,11 @@ class Output:
         dumps = []
         with contextlib.suppress(psutil.Error):
             for process in [psutil.Process(self.job.pid), *psutil.Process(self.job.pid).children(recursive=True)]:
-                with contextlib.suppress(psutil.Error, subprocess.SubprocessError):
+                with contextlib.suppress(psutil.Error, subprocess.SubprocessError, OSError):  # gone, or no py-spy
+                    command = " ".join(process.cmdline())[:160]
                     dump = subprocess.run([BIN / "py-spy", "dump", "--pid", str(process.pid)], capture_output=True,
-                                          text=True, timeout=30)
-                    dumps.append(f"== {' '.join(process.cmdline())[:160]}\n{(dump.stdout or dump.stderr)[-2500:]}")
+                                          text=True, errors="replace", timeout=30)
+                    dumps.append(f"== {command}\n{(dump.stdout or dump.stderr)[-2500:]}")
         return "\n".join(["where each process of the job is (py-spy dump):", *dumps])
 
     def until(self, pattern, timeout=120):

@@ -71,6 +71,7 @@ def default_port_taken():
     """Another job on this machine holds torch's default port, 29500 (or something already does): a step started
     without a launcher (a group of one, or --spawn) must not need it."""
     with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an old connection's TIME_WAIT does not stop it
         with contextlib.suppress(OSError):  # taken already: as good
             held.bind(("127.0.0.1", 29500))
             held.listen()
