@@ -167,5 +167,5 @@ def skip_horovod_tests_without_horovod(items):
         return
     skip = pytest.mark.skip(reason="Horovod is not built: PYTHON=.venv/bin/python bash scripts/install_horovod.sh")
     for item in items:
-        if re.search(r"horovod|\b06\b|\[6\]|06_", item.nodeid):
+        if re.search(r"horovod|\b06\b|\[6\]|06_|run06", item.nodeid):
             item.add_marker(skip)

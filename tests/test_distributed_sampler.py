@@ -1,50 +1,38 @@
-"""What the DistributedSampler does, stated as facts (the seed tutorials teach these by printing).
-
-Step 04 relies on each of them: disjoint shards, padding so every rank gets the same number of
-samples, a new permutation per epoch only through set_epoch, and drop_last trimming instead.
+"""The training order of every distributed step: data.EpochSampler over torch's DistributedSampler, as 04-08 build it
+(`EpochSampler(DistributedSampler(train_set, shuffle=True, seed=args.seed), batch x accumulation)`), stated as the
+facts the steps rely on: disjoint shards from one permutation that every rank computes alone from (seed, epoch), a new
+one each epoch only through set_epoch, whole optimizer steps, and a resumed epoch that goes on where it stopped.
 """
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-N = 10  # does not divide by 3 ranks
+from common import data
+
+N, STEP = 20, 3  # 20 images on 2 ranks: 10 each, 3 whole optimizer steps of 3 images, 1 image left this epoch
 
 
-def shards(world_size, epoch=0, **kwargs):
+def shards(world_size, epoch=1, part=None, seed=0):
     out = []
     for rank in range(world_size):
-        sampler = DistributedSampler(range(N), num_replicas=world_size, rank=rank, seed=0, **kwargs)
-        sampler.set_epoch(epoch)
+        sampler = data.EpochSampler(DistributedSampler(range(N), num_replicas=world_size, rank=rank, shuffle=True,
+                                                       seed=seed), STEP)
+        sampler.set_epoch(epoch, part)
         out.append(list(sampler))
     return out
 
 
-def test_shards_are_disjoint_and_cover_the_data():
-    parts = shards(2)
-    assert set(parts[0]).isdisjoint(parts[1])
-    assert sorted(parts[0] + parts[1]) == list(range(N))
+def test_ranks_take_disjoint_whole_steps_of_one_permutation_computed_alone():
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0 + 5)).tolist()  # seed + epoch, no messages
+    assert shards(2, epoch=5) == [perm[0::2][:9], perm[1::2][:9]]
+    assert set(shards(2)[0]).isdisjoint(shards(2)[1])
 
 
-def test_uneven_data_is_padded_with_repeats():
-    parts = shards(3)
-    assert [len(p) for p in parts] == [4, 4, 4]  # ceil(10 / 3)
-    flat = sum(parts, [])
-    assert set(flat) == set(range(N)) and len(flat) - len(set(flat)) == 2  # two samples seen twice
+def test_set_epoch_reshuffles_and_the_seed_chooses_the_order():
+    assert shards(2, epoch=1) != shards(2, epoch=2) and shards(2, epoch=1) == shards(2, epoch=1)
+    assert shards(2, seed=0) != shards(2, seed=1)
 
 
-def test_drop_last_trims_instead_of_padding():
-    parts = shards(3, drop_last=True)
-    assert [len(p) for p in parts] == [3, 3, 3]
-    flat = sum(parts, [])
-    assert len(set(flat)) == 9  # one sample left out this epoch, none repeated
-
-
-def test_set_epoch_reshuffles_and_forgetting_it_repeats_the_order():
-    assert shards(2, epoch=0) != shards(2, epoch=1)
-    sampler = DistributedSampler(range(N), num_replicas=2, rank=0, seed=0)
-    assert list(sampler) == list(sampler)  # no set_epoch: every epoch the same order
-
-
-def test_ranks_agree_on_the_permutation_without_communicating():
-    """Every rank computes the same permutation from (seed, epoch); rank r takes every world-th item."""
-    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0 + 5)).tolist()
-    assert shards(2, epoch=5) == [perm[0::2], perm[1::2]]
+def test_a_resumed_epoch_goes_on_after_the_steps_done():
+    whole = shards(2, epoch=3)
+    resumed = shards(2, epoch=3, part={"steps": 2, "of_steps": 3})
+    assert resumed == [rank[2 * STEP:] for rank in whole]
