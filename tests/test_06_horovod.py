@@ -8,7 +8,8 @@ subprocesses, then every rank imports torch), so one uninterrupted run serves se
 That run is the classic command with --grad-accum 2 (Horovod's backward_passes_per_step). The
 resumed run adds --gloo, which skips horovodrun's MPI probe (this build has Gloo only). All use
 --amp off, so that step 01's fp32 evaluation of the checkpoint can be held to 06's logged numbers.
-Untested here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm) and --fp16-allreduce.
+--fp16-allreduce (Horovod's fp16 compression) continues that run's epoch 1 on the CPU too. Untested here: the GPU
+path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm).
 """
 import shutil
 
@@ -82,3 +83,18 @@ def test_missing_horovod_is_one_line_with_the_fix(cifar_dir, tmp_path):
     assert len(errors) == 1 and "Horovod is not importable" in errors[0], proc.output
     assert f"PYTHON={PYTHON} bash scripts/install_horovod.sh" in errors[0]
     assert not (tmp_path / "o").exists(), "nothing is written before the check"
+
+
+def test_fp16_allreduce_sends_fp16_gradients_and_learns_as_fp32_does(run06, cifar_dir, tmp_path):
+    """--fp16-allreduce (hvd.Compression.fp16) continues the uninterrupted run's epoch 1: replicas still identical,
+    other bits than the fp32 all-reduce gave (the gradients were rounded to fp16 on the way), the same epoch 2 within
+    the tolerance of the other cross-method tests."""
+    shutil.copy(checkpoint_epoch(run06[0], 1), tmp_path)
+    run([*launch_command("horovodrun", 2, 6), "--data-dir", cifar_dir, *SMOKE, *TRAIN, "--fp16-allreduce",
+         "--out-dir", tmp_path, "--resume", "auto"])
+    found, fp32 = digests(tmp_path), digests(run06[0])
+    assert sorted(found) == [0, 1] and len(set(found.values())) == 1, found
+    assert found != fp32, "the same bits as the fp32 all-reduce: the gradients were not compressed"
+    row, want = metrics(tmp_path)[-1], metrics(run06[0])[-1]
+    assert row["epoch"] == 2 and row["train_loss"] == pytest.approx(want["train_loss"], rel=2e-2), (row, want)
+    assert abs(row["test_acc"] - want["test_acc"]) <= 0.02, (row, want)

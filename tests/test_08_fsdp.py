@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from helpers import (DDP_ARGS, EPOCHS, as_after_epoch, assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch,
-                     metrics, run, script, torchrun, PYTHON)
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_step01_evaluates_as_logged, assert_trained,
+                     checkpoint_epoch, digests, metrics, run, script, torchrun)
 
 
 def epoch_close(a, b):
@@ -55,3 +55,25 @@ def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_pa
 
 def test_01_evaluates_the_gathered_checkpoint_to_the_logged_accuracy(run08, data, tmp_path):
     assert_step01_evaluates_as_logged(checkpoint_epoch(run08[0], 2), metrics(run08[0])[1], data, tmp_path)
+
+
+def test_resume_auto_passes_over_a_save_that_never_finished(run08, data, tmp_path):
+    """A kill during a save leaves its dcp/epochNNNN.tmp (renamed only once every rank has written, and rank 0 writes
+    .metadata last): --resume auto takes the newest complete checkpoint, ends as the uninterrupted run did, and its
+    own save of that epoch replaces the unfinished folder."""
+    out = as_after_epoch(run08[0], tmp_path, 1)
+    unfinished = out / "dcp" / "epoch0002.tmp"
+    shutil.copytree(out / "dcp" / "epoch0001", unfinished)
+    (unfinished / ".metadata").unlink()
+    proc = torchrun(2, 8, *data, *EPOCHS, *DDP_ARGS, "--out-dir", out, "--resume", "auto")
+    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output, proc.output
+    assert digests(out) == digests(run08[0]) and sorted(digests(out)) == [0, 1]
+    assert sorted(path.name for path in (out / "dcp").iterdir()) == ["epoch0001", "epoch0002"]
+
+
+def test_bf16_policy_learns(small_data, tmp_path):
+    """bf16 (--amp auto's choice where the CPU or GPU computes it natively): the MixedPrecisionPolicy's bf16 units,
+    fp32 gradient reductions and shards, on data that needs a few hundred steps: it learns as fp32 does."""
+    proc = torchrun(2, 8, *small_data, "--epochs", "2", "--batch-size", "8", "--amp", "bf16", "--out-dir", tmp_path)
+    assert "amp bf16" in proc.output, proc.output
+    assert_trained(tmp_path, epochs=2, ranks=2)

@@ -110,8 +110,9 @@ class NoStop:
         return False
 
 
-def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=torch.float16, count=4):
-    """Step `step`'s train_one_epoch over one epoch of one optimizer step (4 images)."""
+def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=torch.float16, count=4, extra=()):
+    """Step `step`'s train_one_epoch over one epoch of one optimizer step (4 images); `extra`: its arguments after
+    the usual ones (07's `apex`)."""
     from common import metrics
     from synthetic import make_images
 
@@ -122,7 +123,7 @@ def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=
     meter = metrics.Meter(args, 1)
     meter.start(None, sampler.set_epoch(epoch))
     return step["train_one_epoch"](args, model, loader, optimizer, scheduler, scaler, torch.device("cpu"),
-                                   amp_dtype, NoStop(), meter)
+                                   amp_dtype, NoStop(), meter, *extra)
 
 
 def overflowing(scaler, scale=2.0 ** 40):
@@ -135,6 +136,22 @@ def weights(model):
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+def assert_scaler_skips_an_overflow_then_steps(train, scaler, full_weights):
+    """train(epoch): one optimizer step of fp16 autocast through a step's train_one_epoch. With a scale so large that
+    the gradients overflow, the step is skipped and the scale halves (update()); with one that fits, the step is
+    taken with the gradients unscaled (step() through the scaler, not around it: the weights move by a learning
+    rate's worth, not 2**8 times that)."""
+    before = full_weights()
+    overflowing(scaler)
+    train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
+    assert scaler.get_scale() == 2.0 ** 39, "an overflow halves the scale"
+    assert all(torch.equal(before[name], tensor) for name, tensor in full_weights().items()), "and skips the step"
+    overflowing(scaler, 2.0 ** 8)
+    train(2)  # a scale that fits: the step is taken
+    moved = (full_weights()["classifier.weight"] - before["classifier.weight"]).abs().max().item()
+    assert scaler.get_scale() == 2.0 ** 8 and 0 < moved < 1, f"the classifier moved by {moved}"
+
+
 def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the_checkpoint(tmp_path):
     step = runpy.run_path(script(1), run_name="step01")
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--out-dir", str(tmp_path)])
@@ -143,14 +160,7 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
     train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch)  # noqa: E731
-    before = weights(model)
-    overflowing(scaler)
-    train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
-    assert scaler.get_scale() == 2.0 ** 39, "an overflow halves the scale"
-    assert all(torch.equal(before[name], tensor) for name, tensor in weights(model).items()), "and skips the step"
-    overflowing(scaler, 2.0 ** 8)
-    train(2)  # a scale that fits: the step is taken
-    assert scaler.get_scale() == 2.0 ** 8 and not torch.equal(before["classifier.weight"], model.classifier.weight)
+    assert_scaler_skips_an_overflow_then_steps(train, scaler, lambda: weights(model))
     path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, INFO)
     model2 = step["prepare_model"](args, step["build_model"](args, INFO), cpu)
     optimizer2, scheduler2, scaler2 = step["build_optimizer"](args, model2, 1, cpu, fp16)
@@ -198,18 +208,59 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     step = runpy.run_path(script(8), run_name="step08")
-    full_model = lambda model: step["get_model_state_dict"](model, options=step["WHOLE"])  # noqa: E731
     args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4"])
     cpu, fp16 = torch.device("cpu"), torch.float16
     model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, fp16)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
     train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, None)  # noqa: E731
-    before = {name: tensor.clone() for name, tensor in full_model(model).items()}  # with one rank: the live tensors
-    overflowing(scaler)
-    train(1)
-    assert scaler.get_scale() == 2.0 ** 39
-    assert all(torch.equal(before[name], tensor) for name, tensor in full_model(model).items()), "the step is skipped"
-    overflowing(scaler, 2.0 ** 8)
-    train(2)
-    assert not torch.equal(before["classifier.weight"], full_model(model)["classifier.weight"]), "this one is taken"
+    # with one rank the whole state dict holds the live tensors: clone them
+    whole = lambda: {k: v.clone() for k, v in step["get_model_state_dict"](model, options=step["WHOLE"]).items()}  # noqa: E731
+    assert_scaler_skips_an_overflow_then_steps(train, scaler, whole)
+
+
+def test_07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_checkpoint(group_of_one,
+                                                                                                   tmp_path):
+    """Step 07's own successors of apex.amp (autocast + GradScaler around torch DDP), in fp16 as on a GPU without
+    native bf16: the scaler skips, halves, steps unscaled, and its scale is saved and resumed."""
+    step = runpy.run_path(script(7), run_name="step07")
+    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--amp-backend", "torch",
+                               "--out-dir", str(tmp_path)])
+    cpu, fp16 = torch.device("cpu"), torch.float16
+
+    def build():
+        model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, None)
+        return step["build_optimizer"](args, model, 1, cpu, fp16, None)
+
+    model, optimizer, scheduler, scaler = build()
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled(), "fp16 turns on 07's GradScaler"
+    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, extra=[None])  # noqa: E731
+    assert_scaler_skips_an_overflow_then_steps(train, scaler, lambda: weights(model.module))
+    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, INFO, None)
+    model2, optimizer2, scheduler2, scaler2 = build()
+    args.resume = path
+    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2, None)[0] == 2
+    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
+
+
+def test_08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward(group_of_one, tmp_path):
+    """08's policy, read off the model it builds (ResNet-18 in bf16, as a GPU runs it): the units are the stem, each
+    residual block (nn.Sequential opened up), the classifier and each batch norm, under the root; every unit of
+    weights computes in bf16 and reduces its gradients in fp32; after its forward each unit holds only its shards
+    again (reshard_after_forward), so a GPU holds one unit's whole weights at a time."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    step = runpy.run_path(script(8), run_name="step08")
+    args = step["parse_args"](["--data-dir", str(tmp_path), "--arch", "resnet18"])
+    model = step["prepare_model"](args, step["build_model"](args, INFO), torch.device("cpu"), torch.bfloat16)
+    units = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    norms = {name for name, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d)}
+    blocks = {f"layers.{i}" for i in range(8)}
+    assert units == {"", "conv1", "linear", *blocks, *norms}, sorted(units)
+    for name in ["conv1", "linear", *blocks]:
+        policy = model.get_submodule(name)._get_fsdp_state()._mp_policy  # torch 2.13's FSDP2 state (private)
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), (name, policy)
+    model(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8))
+    whole = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not whole, f"still whole after the forward: {whole}"

@@ -17,14 +17,19 @@ from helpers import (EXIT_GRACE, Output, assert_01_continues_by_progress, checkp
                      load_checkpoint, metrics, once, run, start)
 
 # (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
-# every rank, under its own launcher) and 06 (its own collectives, under horovodrun). 02, 03, 07 and 08 run 01's
-# and 04's code for this; tests/test_slurm.py repeats 04 under a real Slurm.
-CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2)]
+# every rank, under its own launcher), 06 (its own collectives, under horovodrun), 07 (04's loop with its own
+# backends) and 08 (sharded weights, DCP checkpoints). 02 and 03 run 01's code for this; tests/test_slurm.py repeats
+# 04 under a real Slurm.
+CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2), (7, "torchrun", 2),
+         (8, "torchrun", 2)]
 SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]  # 160 (80 per rank) steps/epoch
-# 04, 05 and 06, stopped and resumed, must all end where one uninterrupted run of 04 does: NCHW weights and batches
-# (05's and 06's weights are NCHW), and 05 in ZeRO stage 0, which is DDP's step to the last bit (ZeRO 2 in fp32 is
-# held to 04's bits on tests/test_learning_curves.py's runs).
-SHARED = {4: ["--no-channels-last"], 5: ["--no-channels-last", "--zero-stage", "0"], 6: ["--no-channels-last"]}
+# 04 to 08, stopped and resumed, must all end where one uninterrupted run of 04 does: NCHW weights and batches (05's
+# and 08's weights are NCHW), 2 accumulated passes of 4 images per optimizer step (so that each step's
+# accumulation is held to 04's bits too: a loss divided twice, a gradient reduced on every pass), and 05 in ZeRO
+# stage 0, which is DDP's step to the last bit (ZeRO 2 in fp32 is held to 04's bits on
+# tests/test_learning_curves.py's runs).
+DISTRIBUTED = ["--no-channels-last", "--batch-size", "4", "--grad-accum", "2"]
+SHARED = {4: DISTRIBUTED, 5: [*DISTRIBUTED, "--zero-stage", "0"], 6: DISTRIBUTED, 7: DISTRIBUTED, 8: DISTRIBUTED}
 
 
 def command(number, launcher, nproc, data, out, *extra):
@@ -92,9 +97,10 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
 
 
 def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data, tmp_path):
-    """The uninterrupted 04 run above (2 processes x 8 images, 80 steps per epoch, 1 epoch), continued by 01 at batch
-    64 (20 steps per epoch) for a second epoch: the schedule is placed by progress (and stretched to 2 epochs); placed
-    at the raw step 80 of a 40-step schedule it would train at learning rate 0 and the weights would not move."""
+    """The uninterrupted 04 run above (2 processes x 4 images x 2 passes, 80 steps per epoch, 1 epoch), continued
+    by 01 at batch 64 (20 steps per epoch) for a second epoch: the schedule is placed by progress (and stretched to
+    2 epochs); placed at the raw step 80 of a 40-step schedule it would train at learning rate 0 and the weights
+    would not move."""
     assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), data, tmp_path)
 
 
