@@ -1,0 +1,217 @@
+"""The mutation check: does the suite catch a broken distributed step? Run it on demand, not in the suite.
+
+    .venv/bin/python tests/mutation_check.py              # every planted bug in 04-08 (about an hour on 2 cores)
+    .venv/bin/python tests/mutation_check.py --step 08    # one step's
+    .venv/bin/python tests/mutation_check.py --list       # what it plants, and the tests each step is held to
+
+Each mutant is one plausible bug: a piece of a step's code (a regular expression that must match exactly once)
+replaced by a broken version. For each, in a fresh copy of the repository with only that change, the behavioural
+tests of its step run (pytest -x: the first failure is enough); the verdict is CAUGHT (a test failed), MISSED
+(every test passed) or STALE (the piece is no longer in the step: update the mutant). Exit status 0 only when every
+mutant is caught. Run it before and after a rewrite of the steps (docs/testing.md): a rewrite that keeps the
+behaviour keeps every verdict, and a mutant that no longer applies says which one to update.
+"""
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+class Mutant(NamedTuple):
+    step: int
+    bug: str
+    pattern: str  # a regular expression (re.M) that matches exactly once in the step
+    broken: str  # what it becomes (re.sub's replacement)
+
+
+# The tests each step is held to: every test of the suite that runs the step (its own file, its stops and resumes,
+# its learning curve, its runs with the default model, its GPU paths rehearsed on the CPU).
+CURVES = "tests/test_learning_curves.py::test_step_learns_like_step_01"
+DEFAULT = "tests/test_default_model.py::test_each_distributed_step_ends_exactly_where_ddp_does"
+PREEMPT = "tests/test_preemption.py::test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly"
+GPU_PATHS = "tests/test_gpu_paths.py::test_"
+TESTS = {
+    4: ["tests/test_steps_01_04.py", f"{PREEMPT}[04-torchrun]", f"{CURVES}[4]",
+        "tests/test_default_model.py::test_04_learns_with_identical_replicas",
+        "tests/test_distributed_sampler.py"],
+    5: ["tests/test_05_deepspeed.py", f"{PREEMPT}[05-deepspeed]", f"{CURVES}[5]",
+        "tests/test_learning_curves.py::test_zero2_in_fp32_is_step_04_bit_for_bit",
+        f"{DEFAULT}[05]", "tests/test_default_model.py::test_bf16_on_the_cpu[05]"],
+    6: ["tests/test_06_horovod.py", f"{PREEMPT}[06-horovodrun]", f"{CURVES}[6]", f"{DEFAULT}[06]"],
+    7: ["tests/test_07_apex.py", f"{PREEMPT}[07-torchrun]", f"{CURVES}[7]", f"{DEFAULT}[07]",
+        f"{GPU_PATHS}07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_"
+        "checkpoint"],
+    8: ["tests/test_08_fsdp.py", f"{PREEMPT}[08-torchrun]", f"{CURVES}[8]", f"{DEFAULT}[08]",
+        "tests/test_default_model.py::test_bf16_on_the_cpu[08]",
+        f"{GPU_PATHS}08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu",
+        f"{GPU_PATHS}08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step",
+        f"{GPU_PATHS}08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward"],
+}
+
+MUTANTS = [
+    # 04: the five of the first check, and two more
+    Mutant(4, "no set_epoch: every epoch the same order", r"sampler\.set_epoch\(epoch, ", "sampler.set_epoch(1, "),
+    Mutant(4, "no shuffle", r"DistributedSampler\(train_set, shuffle=True",
+           "DistributedSampler(train_set, shuffle=False"),
+    Mutant(4, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
+           r"\1totals = totals\2"),
+    Mutant(4, "gradients never synced", r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)",
+           "model.no_sync()"),
+    Mutant(4, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
+    Mutant(4, "batch-norm buffers not broadcast", r"DistributedDataParallel\(model, ",
+           "DistributedDataParallel(model, broadcast_buffers=False, "),
+    Mutant(4, "the schedule never steps", r"^(\s+)scheduler\.step\(\)", r"\1pass"),
+    # 05
+    Mutant(5, "the loss divided by --grad-accum twice", r"^(\s+)engine\.backward\(loss\)",
+           r"\1engine.backward(loss / args.grad_accum)"),
+    Mutant(5, "batch-norm buffers not broadcast", r"^(\s+)dist\.broadcast\(buffer, 0\)", r"\1pass"),
+    Mutant(5, "evaluation in train mode", r"^(\s+)engine\.eval\(\)", r"\1engine.train()"),
+    Mutant(5, "an export continued at its raw step count", r"amp_dtype, start_epoch \* steps_per_epoch\)",
+           "amp_dtype, global_step)"),
+    Mutant(5, "the engine's checkpoint resumed without its optimizer state", r"engine\.load_checkpoint\(\*found\)",
+           "engine.load_checkpoint(*found, load_optimizer_states=False)"),
+    Mutant(5, "--zero-stage ignored", r'^(\s+)config\.setdefault\("zero_optimization", \{\}\)\["stage"\] = '
+           r"args\.zero_stage", r"\1pass"),
+    Mutant(5, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
+           r"\1totals = totals\2"),
+    # 06
+    Mutant(6, "--fp16-allreduce ignored", r"hvd\.Compression\.fp16 if args\.fp16_allreduce else hvd\.Compression\.none",
+           "hvd.Compression.none"),
+    Mutant(6, "momentum not broadcast on resume", r"^(\s+)hvd\.broadcast_optimizer_state\(optimizer, root_rank=0\)",
+           r"\1pass"),
+    Mutant(6, "batch-norm buffers not broadcast", r"^(\s+)hvd\.broadcast_parameters\(dict\(model\.named_buffers\(\)\), "
+           r"root_rank=0\)", r"\1pass"),
+    Mutant(6, "every rank trains rank 0's shard", r"rank=hvd\.rank\(\), shuffle=True", "rank=0, shuffle=True"),
+    Mutant(6, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
+    Mutant(6, "a stop signal only at the end of an epoch",
+           r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
+    # 07
+    Mutant(7, "GradScaler's update() dropped", r"^(\s+)scaler\.update\(\)", r"\1pass"),
+    Mutant(7, "the optimizer steps around the scaler", r"^(\s+)scaler\.step\(optimizer\)", r"\1optimizer.step()"),
+    Mutant(7, "a resumed run's loss scale not loaded", r"and scaler\.load_state_dict\(saved\)", "and None"),
+    Mutant(7, "gradients never synced", r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)",
+           "model.no_sync()"),
+    Mutant(7, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
+    Mutant(7, "a stop signal only at the end of an epoch",
+           r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
+    # 08
+    Mutant(8, "gradients reduced in the compute dtype (reduce_dtype dropped)",
+           r"MixedPrecisionPolicy\(param_dtype=amp_dtype, reduce_dtype=torch\.float32\)",
+           "MixedPrecisionPolicy(param_dtype=amp_dtype)"),
+    Mutant(8, "nn.Sequential not opened: all residual blocks one unit",
+           r"\(child if isinstance\(child, nn\.Sequential\) else \[child\]\)", "[child]"),
+    Mutant(8, "units keep their whole weights after forward", r"fully_shard\(unit, mesh=mesh, mp_policy=policy\)",
+           "fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=False)"),
+    Mutant(8, "batch-norm buffers not broadcast", r"^(\s+)dist\.broadcast\(buffer, 0\)", r"\1pass"),
+    Mutant(8, "--resume auto takes an unfinished save", r'"epoch\*\[0-9\]"\)\), default=""',
+           '"epoch*")), default=""'),
+    Mutant(8, "gradients reduced on every accumulated pass", r"set_requires_gradient_sync\(last_pass\)",
+           "set_requires_gradient_sync(True)"),
+    Mutant(8, "a DCP resume without the optimizer state",
+           r'set_state_dict\(model, optimizer, model_state_dict=state\["model"\], optim_state_dict=state\["optim"\]\)',
+           'set_model_state_dict(model, state["model"])'),
+    Mutant(8, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
+           r"\1totals = totals\2"),
+]
+
+
+def script(root, step):
+    (path,) = Path(root).glob(f"{step:02d}_cifar10_*.py")
+    return path
+
+
+def applies(mutant, root=REPO):
+    """Whether the mutant's pattern matches exactly once in its step (else it is STALE)."""
+    return len(re.findall(mutant.pattern, script(root, mutant.step).read_text(), re.M)) == 1
+
+
+def plant(mutant, root):
+    """Apply the mutant to the step in `root`."""
+    path = script(root, mutant.step)
+    path.write_text(re.sub(mutant.pattern, mutant.broken, path.read_text(), count=1, flags=re.M))
+
+
+def copy_repo(folder):
+    """The tracked and untracked (not ignored) files of the repository, as they are in the working tree."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, folder / name)
+    return folder
+
+
+def check(mutant, log_dir):
+    """(verdict, seconds, log file) of one mutant."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        root = copy_repo(Path(tmp))
+        plant(mutant, root)
+        proc = subprocess.run([PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS[mutant.step]],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = log_dir / f"{mutant.step:02d}-{re.sub(r'[^a-z0-9]+', '-', mutant.bug.lower()).strip('-')}.log"
+    log.write_text(proc.stdout)
+    verdict = {0: "MISSED", 1: "CAUGHT"}.get(proc.returncode, f"ERROR (pytest exit {proc.returncode})")
+    return verdict, time.monotonic() - started, log
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", type=int, action="append", choices=sorted(TESTS),
+                        help="only this step's (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and the tests, run nothing")
+    parser.add_argument("--log-dir", default="runs/mutation_check", help="one pytest log per mutant")
+    parser.add_argument("--docs", metavar="MD", help="write the verdicts into this page (docs/testing.md)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.step or m.step in args.step]
+    if args.list:
+        for step in sorted({m.step for m in chosen}):
+            print(f"step {step:02d}, held to: {' '.join(TESTS[step])}")
+            for mutant in (m for m in chosen if m.step == step):
+                print(f"  {mutant.bug}")
+        return 0
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    verdicts, started = [], time.monotonic()
+    for mutant in chosen:
+        verdict, seconds, log = check(mutant, log_dir) if applies(mutant) else ("STALE", 0.0, None)
+        verdicts.append((mutant, verdict))
+        print(f"{mutant.step:02d}  {verdict:<7} {seconds:6.0f} s  {mutant.bug}" + (f"  ({log})" if log else ""),
+              flush=True)
+    caught = sum(verdict == "CAUGHT" for _, verdict in verdicts)
+    summary = f"{caught} of {len(verdicts)} planted bugs caught"
+    print(summary + ("" if caught == len(verdicts) else ": each one not CAUGHT above needs a harder test"))
+    if args.docs:
+        write_docs(Path(args.docs), verdicts, summary, time.monotonic() - started, argv)
+    return 0 if caught == len(verdicts) else 1
+
+
+def write_docs(page, verdicts, summary, seconds, argv):
+    """The verdicts as a table between the page's mutation-verdicts marks, with the date, machine and command."""
+    import torch
+
+    command = " ".join(["python tests/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
+    rows = [f"| {m.step:02d} | {m.bug} | {verdict} |" for m, verdict in verdicts]
+    text = "\n".join([
+        f"Last run: {datetime.date.today()}, `{command}`, on {platform.processor() or platform.machine()} with "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, {seconds / 60:.0f} minutes: {summary}.", "",
+        "| step | planted bug | verdict |", "|---|---|---|", *rows])
+    source = page.read_text()
+    start, end = "<!-- mutation-verdicts -->\n", "<!-- /mutation-verdicts -->"
+    page.write_text(source[:source.index(start) + len(start)] + text + "\n" + source[source.index(end):])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
