@@ -7,8 +7,8 @@ learning rate that suits it:
 
 * fp32, 2 epochs: one process x 16 images (01, 02, 03), two processes x 8 (04 to 08). Two processes sum each
   gradient in one addition (a + b is b + a), so every distributed step trains exactly as DDP does: 04's run is the
-  reference that each other step must end at bit for bit, after a stop and a resume (05, 07, 08) or after
-  continuing 04's checkpoint (06). The training loss falls from epoch 1 to epoch 2.
+  reference that each other step must end at bit for bit, after a stop and a resume (05, 08) or after
+  continuing 04's checkpoint (06, 07). The training loss falls from epoch 1 to epoch 2.
 * bf16 (--amp auto's choice on a CPU that computes it natively), two optimizer steps on 8 images: 01's autocast
   (which 02-04, 06 and 07 share), 05's engine (bf16 weights) and 08's MixedPrecisionPolicy (bf16 units, fp32 batch
   norm). The start line says that bf16 was asked for, and on a CPU without native bf16 that it is emulated.
@@ -83,12 +83,12 @@ def test_04_learns_with_identical_replicas(resnet04):
 # when it resumes.
 RESUMED = {5: "resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint",
            6: "resumed from epoch 1 (written by 04_cifar10_ddp)",
-           7: "resumed from epoch 1 (written by 07_cifar10_apex)",
+           7: "resumed from epoch 1 (written by 04_cifar10_ddp)",
            8: "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded"}
 CONTINUED = {
     5: [("deepspeed", ["--stop-after", "1"]), ("deepspeed", ["--resume", "auto"])],  # the engine's checkpoint
     6: [("horovodrun", ["--resume", "FROM_04"])],  # 04's epoch-1 checkpoint, momentum and batch-norm statistics
-    7: [("legacy", ["--stop-after", "1"]), ("torchrun", ["--resume", "auto"])],  # the launcher of old tutorials
+    7: [("legacy", ["--resume", "FROM_04"])],  # the launcher of old tutorials; its own resume: test_preemption.py
     8: [("torchrun", ["--stop-after", "1"]), ("torchrun", ["--resume", "auto"])],  # its sharded DCP checkpoint
 }
 

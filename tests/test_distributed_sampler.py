@@ -1,6 +1,6 @@
-"""The training order of every distributed step: data.EpochSampler over torch's DistributedSampler, as 04-08 build it
-(`EpochSampler(DistributedSampler(train_set, shuffle=True, seed=args.seed), batch x accumulation)`), stated as the
-facts the steps rely on: disjoint shards from one permutation that every rank computes alone from (seed, epoch), a new
+"""The training order of every distributed step: common/data.py's EpochSampler over torch's DistributedSampler, the
+pair 04-08 build (`EpochSampler(DistributedSampler(train_set, shuffle=True, seed=args.seed), batch x accumulation)`;
+that the steps build it so, their runs hold: tests/test_preemption.py), stated as the facts the steps rely on: disjoint shards from one permutation that every rank computes alone from (seed, epoch), a new
 one each epoch only through set_epoch, whole optimizer steps, and a resumed epoch that goes on where it stopped.
 """
 import torch

@@ -205,18 +205,28 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
 
 
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
+    """As 07's below, with FSDP's ShardedGradScaler; its scale travels in the DCP checkpoint."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     step = runpy.run_path(script(8), run_name="step08")
-    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4"])
+    args = step["parse_args"](["--data-dir", str(tmp_path), *SMOKE, "--batch-size", "4", "--out-dir", str(tmp_path)])
     cpu, fp16 = torch.device("cpu"), torch.float16
-    model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, fp16)
-    optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
+
+    def build():
+        model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, fp16)
+        return (model, *step["build_optimizer"](args, model, 1, cpu, fp16))
+
+    model, optimizer, scheduler, scaler = build()
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
     train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, None)  # noqa: E731
     # with one rank the whole state dict holds the live tensors: clone them
     whole = lambda: {k: v.clone() for k, v in step["get_model_state_dict"](model, options=step["WHOLE"]).items()}  # noqa: E731
     assert_scaler_skips_an_overflow_then_steps(train, scaler, whole)
+    step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, INFO)
+    model2, optimizer2, scheduler2, scaler2 = build()
+    args.resume = "auto"  # the DCP folder it just wrote
+    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
+    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
 
 
 def test_07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_checkpoint(group_of_one,

@@ -4,7 +4,8 @@ uninterrupted run. (The uninterrupted 04 run also serves a checkpoint of other b
 
 The signal goes to every process of the job (the launcher, every rank and their DataLoader workers), which is what
 Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
-epoch (small batches: 80 steps per rank or more), and the test demands a part-way checkpoint.
+epoch (small batches: 40 optimizer steps per rank or more, and a stop lands within 24), and the test demands a
+part-way checkpoint.
 """
 import contextlib
 import signal
@@ -24,11 +25,11 @@ CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovod
          (8, "torchrun", 2)]
 SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]  # 160 (80 per rank) steps/epoch
 # 04 to 08, stopped and resumed, must all end where one uninterrupted run of 04 does: NCHW weights and batches (05's
-# and 08's weights are NCHW), 2 accumulated passes of 4 images per optimizer step (so that each step's
+# and 08's weights are NCHW), 2 accumulated passes of 8 images per optimizer step (so that each step's
 # accumulation is held to 04's bits too: a loss divided twice, a gradient reduced on every pass), and 05 in ZeRO
 # stage 0, which is DDP's step to the last bit (ZeRO 2 in fp32 is held to 04's bits on
 # tests/test_learning_curves.py's runs).
-DISTRIBUTED = ["--no-channels-last", "--batch-size", "4", "--grad-accum", "2"]
+DISTRIBUTED = ["--no-channels-last", "--grad-accum", "2"]  # 40 optimizer steps per rank: a stop lands by step 24
 SHARED = {4: DISTRIBUTED, 5: [*DISTRIBUTED, "--zero-stage", "0"], 6: DISTRIBUTED, 7: DISTRIBUTED, 8: DISTRIBUTED}
 
 
@@ -39,7 +40,7 @@ def command(number, launcher, nproc, data, out, *extra):
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     """uninterrupted(number) -> the out-dir of the uninterrupted run a stopped run of that step must end at: 01's own,
-    one of 04 for 04, 05 and 06. Made once, when a test first asks for it. No loader workers (the batches do not
+    one of 04 for 04 to 08. Made once, when a test first asks for it. No loader workers (the batches do not
     depend on them): fewer forks of a threaded process, which CPython 3.11 can deadlock in (a DataLoader worker hung
     once in os.fork's child-side clean-up here)."""
     def reference(number):
@@ -97,9 +98,9 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
 
 
 def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data, tmp_path):
-    """The uninterrupted 04 run above (2 processes x 4 images x 2 passes, 80 steps per epoch, 1 epoch), continued
+    """The uninterrupted 04 run above (2 processes x 8 images x 2 passes, 40 steps per epoch, 1 epoch), continued
     by 01 at batch 64 (20 steps per epoch) for a second epoch: the schedule is placed by progress (and stretched to
-    2 epochs); placed at the raw step 80 of a 40-step schedule it would train at learning rate 0 and the weights
+    2 epochs); placed at the raw step 40 of a 40-step schedule it would train at learning rate 0 and the weights
     would not move."""
     assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), data, tmp_path)
 
