@@ -142,14 +142,15 @@ SLOW_TESTS = {
 
 
 # The files, heaviest first: seconds of a run in 2 pytest-xdist workers on the 2-core machine (pytest --durations=0,
-# summed per file; 2026-11-26, bf16 emulated as on an AVX2 CPU). pytest.ini's `--dist loadfile` gives each worker whole
-# files, the next one in this order as soon as it is near the end of its queue: heaviest first, so that the run does
-# not end with one worker running a slow file alone while the other idles. A file missing here would come last.
-WEIGHT = {"test_default_model": 152, "test_debugging": 125, "test_learning_curves": 122, "test_05_deepspeed": 97,
-          "test_preemption": 90, "test_bad_input": 84, "test_slurm": 71, "test_exit": 65, "test_steps_01_04": 63,
-          "test_07_apex": 50, "test_fault_tolerance": 49, "test_benchmark": 49, "test_08_fsdp": 43, "test_template": 35,
-          "test_gpu_check": 27, "test_06_horovod": 22, "test_readme": 11, "test_data": 10, "test_checkpoint": 9,
-          "test_gpu_paths": 4, "test_steps_in_line": 1, "test_profile": 1, "test_distributed_sampler": 1}
+# summed per file, tests/test_*.py; 2026-11-26, native bf16, less the launches taken out since). pytest.ini's
+# `--dist loadfile` gives each worker whole files, the next one in this order as soon as it is near the end of its
+# queue: heaviest first, so that the run does not end with one worker running a slow file alone while the other
+# idles. A file missing here would come last.
+WEIGHT = {"test_default_model": 134, "test_learning_curves": 120, "test_preemption": 120, "test_05_deepspeed": 116,
+          "test_debugging": 104, "test_bad_input": 89, "test_slurm": 73, "test_exit": 70, "test_steps_01_04": 59,
+          "test_fault_tolerance": 48, "test_07_apex": 44, "test_08_fsdp": 41, "test_benchmark": 40, "test_template": 32,
+          "test_gpu_check": 29, "test_06_horovod": 26, "test_data": 15, "test_readme": 15, "test_checkpoint": 7,
+          "test_gpu_paths": 5, "test_steps_in_line": 1, "test_profile": 1, "test_distributed_sampler": 1}
 
 
 def pytest_collection_modifyitems(items):

@@ -17,6 +17,7 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -245,7 +246,7 @@ def write_docs(page, verdicts, summary, seconds, argv):
     rows.update({label(m): f"{label(m)} | {verdict} | {today} |" for m, verdict in verdicts})
     rows = [rows.get(label(m), f"{label(m)} | not run | |") for m in MUTANTS]  # mutants that are gone: dropped
     caught = sum(" | CAUGHT | " in row for row in rows)
-    command = " ".join(["python tests/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "tests/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
     text = "\n".join([
         f"{caught} of {len(rows)} planted bugs caught. Latest run: {today}, `{command}`, on "
         f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}: "
