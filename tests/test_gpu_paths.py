@@ -138,9 +138,8 @@ def weights(model):
 
 def assert_scaler_skips_an_overflow_then_steps(train, scaler, full_weights):
     """train(epoch): one optimizer step of fp16 autocast through a step's train_one_epoch. With a scale so large that
-    the gradients overflow, the step is skipped and the scale halves (update()); with one that fits, the step is
-    taken with the gradients unscaled (step() through the scaler, not around it: the weights move by a learning
-    rate's worth, not 2**8 times that)."""
+    the gradients overflow, the step is skipped and the scale halves (update(), which also fails if step() went
+    around the scaler); with one that fits, the step is taken and the weights move, finitely."""
     before = full_weights()
     overflowing(scaler)
     train(1)  # one step of 4 images, with gradients scaled by 2**40: inf in fp16
