@@ -108,7 +108,8 @@ def build_loaders(args, train_set, test_set):
 
 
 # ----------------------------------------------------------------------------- model
-ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn}  # --arch choices (the first is the default)
+# --arch chooses one of these; the first is the default.
+ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
 def build_model(args, info):

@@ -2,6 +2,8 @@
 per-channel mean and std (0-1 scale) as keywords. resnet18 (default): the CIFAR-10 ResNet-18 of kuangliu/pytorch-cifar
 (3x3 stem, no max-pool; 93.02% there with SGD and a cosine schedule), 11.2 M parameters, 20 batch norms. cnn: 0.09 M
 parameters for CPU runs and tests, with GroupNorm (per image: a batch split across processes gives the same gradient).
+cnn_bn: the same cnn with batch norm, for CPU runs that need what ResNet-18's batch norm brings (buffers, per-process
+statistics, train and eval modes) at the small cnn's cost.
 """
 import torch
 import torch.nn as nn
@@ -57,16 +59,20 @@ class resnet18(nn.Module):  # noqa: N801 (named as torchvision's constructors ar
 
 
 class cnn(nn.Module):  # noqa: N801
-    def __init__(self, *, num_classes, mean, std):
+    def __init__(self, *, num_classes, mean, std, batch_norm=False):
         super().__init__()
         self.normalize = Normalize(mean, std)
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1), nn.GroupNorm(8, 128), nn.ReLU(), nn.MaxPool2d(2),
-        )
+        layers = []
+        for in_channels, channels in [(3, 32), (32, 64), (64, 128)]:
+            norm = nn.BatchNorm2d(channels) if batch_norm else nn.GroupNorm(8, channels)
+            layers += [nn.Conv2d(in_channels, channels, 3, padding=1), norm, nn.ReLU(), nn.MaxPool2d(2)]
+        self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(128, num_classes)
 
     def forward(self, x):
         out = self.features(self.normalize(x))
         return self.classifier(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+def cnn_bn(*, num_classes, mean, std):
+    return cnn(num_classes=num_classes, mean=mean, std=std, batch_norm=True)
