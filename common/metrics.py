@@ -139,6 +139,13 @@ ARRIVALS_FROM = 1.7e9  # arrival times count from here (2023-11), not 1970: sums
 PROFILE_AFTER = 3  # optimizer steps before --profile's trace: DDP regroups its buckets after the first, caches settle
 
 
+class Bar(tqdm):
+    """tqdm without its monitor thread. tqdm starts one with every bar (a hidden one too) and ends it when the bar
+    closes, just before evaluation forks its DataLoader workers: a fork while a thread is ending can leave the
+    child blocked for ever in CPython 3.11 (seen here as a rank waiting for a test batch its worker never sent)."""
+    monitor_interval = 0
+
+
 class Meter:
     """One rank's figures of each epoch's loop, for its row of metrics.jsonl. The loop calls batch_in_hand() as a batch
     arrives and batch_done() after its pass: the time between is spent waiting for data (data_s). Each optimizer step's
@@ -153,8 +160,8 @@ class Meter:
     def start(self, part, skipped):
         """An epoch begins; `part`: the row a stopped run saved for it, whose `skipped` steps this run does not do."""
         self.part, self.skipped, self.passes, self.data_seconds, self.arrivals = part or {}, skipped, 0, 0.0, []
-        self.bar = tqdm(total=self.of_steps, initial=skipped, unit="step", leave=False,  # rank 0, on a terminal
-                        disable=rank() != 0 or not sys.stderr.isatty())
+        self.bar = Bar(total=self.of_steps, initial=skipped, unit="step", leave=False,
+                       disable=rank() != 0 or not sys.stderr.isatty())  # drawn by rank 0, on a terminal
         self.begin = self.ready = time.perf_counter()
 
     def batch_in_hand(self):

@@ -66,3 +66,33 @@ def test_an_exit_that_would_hang_ends_with_one_line_and_status_1(case, tmp_path)
     assert status == 1 and len(errors) == 1, output.text
     assert errors[0].startswith("error: this process was still exiting 3 s after its work ended"), errors[0]
     assert seconds >= 3 and ("1 child process" if case == "child" else "0 child process") in errors[0], errors[0]
+
+
+def test_an_epoch_starts_and_ends_no_thread(monkeypatch):
+    """Evaluation forks its DataLoader workers right after the training loop; a thread ending at that moment (tqdm
+    started and ended one with every epoch's bar, even a hidden one) can leave the forked worker blocked for ever in
+    CPython 3.11, and its rank with it: the intermittent hang of this suite until 2026-11-26. The epoch's meter,
+    on every rank, on a terminal or not, starts no thread."""
+    import io
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.metrics import Meter
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for rank, stream in (("0", Terminal()), ("1", Terminal()), ("0", io.StringIO())):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr("sys.stderr", stream)
+        before = threading.enumerate()
+        meter = Meter(SimpleNamespace(grad_accum=1, out_dir=".", profile=0), 2)
+        meter.start(None, 0)
+        for _ in range(2):
+            meter.batch_in_hand()
+            meter.batch_done()
+            assert threading.enumerate() == before, (rank, threading.enumerate())
+        meter.row(torch.tensor([2.0, 2.0], dtype=torch.float64))
