@@ -166,14 +166,15 @@ def copy_repo(folder):
     return folder
 
 
-def check(mutant, log_dir):
-    """(verdict, seconds, log file) of one mutant; mutant.pattern None: the step as it is, which must pass."""
+def check(mutant, log_dir, tests):
+    """(verdict, seconds, log file) of one mutant under `tests`; mutant.pattern None: the step as it is, which must
+    pass."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         root = copy_repo(Path(tmp))
         if mutant.pattern is not None:
             plant(mutant, root)
-        proc = subprocess.run([PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS[mutant.step]],
+        proc = subprocess.run([PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = log_dir / f"{mutant.step:02d}-{re.sub(r'[^a-z0-9]+', '-', mutant.bug.lower()).strip('-')}.log"
     log.write_text(proc.stdout)
@@ -193,6 +194,8 @@ def main(argv=None):
     parser.add_argument("--step", type=int, action="append", choices=sorted(TESTS),
                         help="only this step's (repeatable)")
     parser.add_argument("--bug", action="append", metavar="TEXT", help="only the mutants whose bug says TEXT")
+    parser.add_argument("--test", action="append", metavar="TEXT",
+                        help="only the step's tests whose name says TEXT: which of them catch a bug")
     parser.add_argument("--list", action="store_true", help="list the mutants and the tests, run nothing")
     parser.add_argument("--log-dir", default=REPO / "runs" / "mutation_check", help="one pytest log per mutant")
     parser.add_argument("--docs", metavar="MD", help="write the verdicts into this page (docs/testing.md)")
@@ -209,12 +212,13 @@ def main(argv=None):
     log_dir.mkdir(parents=True, exist_ok=True)
     verdicts, started = [], time.monotonic()
     for step in sorted({m.step for m in chosen}):
+        tests = [t for t in TESTS[step] if not args.test or any(text in t for text in args.test)]
         # First the step as it is: its tests must pass, or no failure below would say anything.
-        verdict, seconds, log = check(Mutant(step, "none (the step as it is)", None, None), log_dir)
+        verdict, seconds, log = check(Mutant(step, "none (the step as it is)", None, None), log_dir, tests)
         print(f"{step:02d}  {verdict:<7} {seconds:6.0f} s  none planted: the step as it is  ({log})", flush=True)
         for mutant in (m for m in chosen if m.step == step):
             if verdict == "PASSED":
-                result = check(mutant, log_dir) if applies(mutant) else ("STALE", 0.0, None)
+                result = check(mutant, log_dir, tests) if applies(mutant) else ("STALE", 0.0, None)
             else:
                 result = ("UNSURE", 0.0, None)  # the tests fail without a planted bug: fix that first
             verdicts.append((mutant, result[0]))

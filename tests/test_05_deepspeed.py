@@ -17,7 +17,9 @@ DeepSpeed), so there are five, each serving several checks:
   machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed noise, and must end where 04
   continuing the same file does;
 * the overflow check, on 8 images (bf16 is emulated on this CPU).
-ZeRO-0 in fp32 ending bit for bit where step 04 does is checked on tests/test_learning_curves.py's runs.
+In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in tests/test_preemption.py
+and without it in tests/test_default_model.py, ZeRO 2 without it in tests/test_learning_curves.py. (ZeRO 2 with
+--grad-accum reduces every pass's gradients as they come: other bits, the same curve; run05 above.)
 """
 import json
 
@@ -121,11 +123,12 @@ def test_01_evaluates_the_export_to_the_logged_accuracy(zero3, data, tmp_path):
 
 
 def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data, tmp_path):
-    """ZeRO 0 in fp32 continues zero3's export (weights only, 80 steps per epoch then, 20 now) to the bits that 04
-    reaches from the same file: the schedule placed by progress, the same step. (Placed at the export's raw step
-    count it would train epoch 2 at learning rate 0, and still pass an accuracy floor.)"""
-    resumed = [*data, "--epochs", "2", "--batch-size", "32", "--amp", "off", "--no-channels-last",
-               "--resume", checkpoint_epoch(zero3[0], 1)]
+    """ZeRO 0 in fp32 continues zero3's export (weights only, 80 steps per epoch then, 20 now of 2 accumulated
+    passes) to the bits that 04 reaches from the same file: the schedule placed by progress, the same step, the same
+    accumulation. (Placed at the export's raw step count it would train epoch 2 at learning rate 0, and still pass
+    an accuracy floor.)"""
+    resumed = [*data, "--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off",
+               "--no-channels-last", "--resume", checkpoint_epoch(zero3[0], 1)]
     proc = deepspeed(2, *resumed, "--zero-stage", "0", "--out-dir", tmp_path / "05", quiet=False)
     run([*launch_command("torchrun", 2, 4), *resumed, "--out-dir", tmp_path / "04"])
     assert "resumed from epoch 1 (written by 05_cifar10_deepspeed): weights only" in proc.output

@@ -86,7 +86,8 @@ RESUMED = {5: "resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed
            7: "resumed from epoch 1 (written by 04_cifar10_ddp)",
            8: "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded"}
 CONTINUED = {
-    5: [("deepspeed", ["--stop-after", "1"]), ("deepspeed", ["--resume", "auto"])],  # the engine's checkpoint
+    5: [("deepspeed", ["--zero-stage", "1", "--stop-after", "1"]),  # ZeRO 1 (2: tests/test_learning_curves.py)
+        ("deepspeed", ["--zero-stage", "1", "--resume", "auto"])],  # the engine's checkpoint
     6: [("horovodrun", ["--resume", "FROM_04"])],  # 04's epoch-1 checkpoint, momentum and batch-norm statistics
     7: [("legacy", ["--resume", "FROM_04"])],  # the launcher of old tutorials; its own resume: test_preemption.py
     8: [("torchrun", ["--stop-after", "1"]), ("torchrun", ["--resume", "auto"])],  # its sharded DCP checkpoint

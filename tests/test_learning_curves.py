@@ -37,6 +37,6 @@ def test_step_learns_like_step_01(step, curves, baseline):
 def test_zero2_in_fp32_is_step_04_bit_for_bit(curves):
     """ZeRO 2 in fp32 (ds_config.json as it is, --amp off) takes DDP's step to the last bit: with the same recipe (the
     config neither clips nor schedules on its own) and 2 processes, it sums the same two gradients. NHWC weights (04's
-    default --channels-last) would differ. ZeRO 0: tests/test_preemption.py."""
+    default --channels-last) would differ. ZeRO 0 and 1: tests/test_05_deepspeed.py."""
     ddp, engine = digests(curves(4)[0]), digests(curves(5)[0])
     assert sorted(ddp) == [0, 1] and engine == ddp, (ddp, engine)
