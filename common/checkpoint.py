@@ -1,11 +1,13 @@
-"""The one checkpoint format every step writes and reads, and continuing a run from it. checkpoint-epochNNNN.pt in
---out-dir (NNNN epochs done; -stepSSSSSS for a run stopped SSSSSS optimizer steps into the next epoch) is a torch.save'd
-dict, loaded with weights_only=True (a file that would run code is refused): format, step (the script that wrote it),
-arch, model (the bare model's state_dict), optimizer (its state_dict, or None), scheduler, scaler, epoch (done),
-global_step, rng (CPU and accelerator generators), args (the run's plain settings), processes, metrics (the epoch's
-metrics.jsonl row, or a part-way epoch's so far) and synthetic. The newest 3 are kept (of the part-way ones only the
-newest), each written to a temporary file and renamed into place: a crash, even SIGKILL during the save, never leaves a
-truncated file under a checkpoint name. Tensors are saved in the plain layout."""
+"""The one checkpoint format every step writes and reads, and continuing a run from it.
+checkpoint-epochNNNN.pt in --out-dir (NNNN epochs done; -stepSSSSSS for a run stopped SSSSSS
+optimizer steps into the next epoch) is a torch.save'd dict, loaded with weights_only=True (a file
+that would run code is refused): format, step (the script that wrote it), arch, model (the bare
+model's state_dict), optimizer (its state_dict, or None), scheduler, scaler, epoch (done),
+global_step, rng (CPU and accelerator generators), args (the run's plain settings), processes,
+metrics (the epoch's metrics.jsonl row, or a part-way epoch's so far) and synthetic. The newest 3
+are kept (of the part-way ones only the newest), each written to a temporary file and renamed into
+place: a crash, even SIGKILL during the save, never leaves a truncated file under a checkpoint name.
+Tensors are saved in the plain layout."""
 import contextlib
 import glob
 import hashlib
@@ -21,18 +23,22 @@ import torch.utils._pytree
 
 from .cli import UserError, brief, processes, rank
 
-FORMAT = "parallel-steps/1"  # (files written before it was renamed say "cifar10-parallel/1": read the same way)
-ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the folders of the libraries' own checkpoints (steps 05 and 08)
+# Files written before it was renamed say "cifar10-parallel/1": they are read the same way.
+FORMAT = "parallel-steps/1"
+ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the libraries' own checkpoints (steps 05 and 08)
 # Settings of this invocation and this machine, never taken from a checkpoint's run.
-OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers", "compile", "sync_bn",
-                "fp16_allreduce", "dist_timeout", "deepspeed_config", "profile"}
+OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers",
+                "compile", "sync_bn", "fp16_allreduce", "dist_timeout", "deepspeed_config",
+                "profile"}
 TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # one epoch's folder in ds_checkpoints/ or dcp/
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 
 
 def checkpoint_path(out_dir, epoch, row=None):
-    """out_dir/checkpoint-epochNNNN.pt, or -stepSSSSSS.pt for epoch `epoch` stopped part-way (row["partial"])."""
-    part = f"{epoch - 1:04d}-step{row['steps']:06d}" if (row or {}).get("partial") else f"{epoch:04d}"
+    """out_dir/checkpoint-epochNNNN.pt,
+    or -stepSSSSSS.pt for epoch `epoch` stopped part-way (row["partial"])."""
+    partial = (row or {}).get("partial")
+    part = f"{epoch - 1:04d}-step{row['steps']:06d}" if partial else f"{epoch:04d}"
     return os.path.join(out_dir, f"checkpoint-epoch{part}.pt")
 
 
@@ -40,30 +46,38 @@ def rng_states():
     """The CPU generator's state, and the accelerator's (one per device) on a machine with one."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     module = torch.get_device_module(accelerator) if accelerator else None
-    states = getattr(module, "get_rng_state_all", lambda: [module.get_rng_state()])() if module else None
-    return {"torch": torch.get_rng_state(), "device": {"type": accelerator.type, "states": states} if module else None}
+    states = module and getattr(module, "get_rng_state_all", lambda: [module.get_rng_state()])()
+    device = {"type": accelerator.type, "states": states} if module else None
+    return {"torch": torch.get_rng_state(), "device": device}
 
 
 def _restore_rng(rng):
     torch.set_rng_state(rng["torch"])
-    saved = rng.get("device") or (rng.get("cuda") and {"type": "cuda", "states": rng["cuda"]})  # older files: "cuda"
+    # Older files say "cuda".
+    saved = rng.get("device") or (rng.get("cuda") and {"type": "cuda", "states": rng["cuda"]})
     accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if saved and accelerator and saved["type"] == accelerator.type and len(saved["states"]) == torch.accelerator.device_count():
+    if (saved and accelerator and saved["type"] == accelerator.type
+            and len(saved["states"]) == torch.accelerator.device_count()):
         module = torch.get_device_module(accelerator)
-        getattr(module, "set_rng_state_all", lambda states: module.set_rng_state(states[0]))(saved["states"])
+        getattr(module, "set_rng_state_all",
+                lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
 def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
          scaler=None, args=None, metrics=None, synthetic=False, keep=3):
-    """Write the checkpoint of epoch `epoch` (its row: `metrics`) atomically; keep the newest `keep`. Returns the path."""
+    """Write the checkpoint of epoch `epoch` (its row: `metrics`) atomically; keep the newest
+    `keep`. Returns the path."""
+    done = epoch - 1 if (metrics or {}).get("partial") else epoch
+    items = vars(args).items() if args else ()
+    plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) or v is None}
     state = {"format": FORMAT, "step": step, "arch": arch, "model": model_state,
-             "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # an optimizer, or its state
-             "scheduler": scheduler and scheduler.state_dict(), "scaler": scaler and scaler.state_dict(),
-             "epoch": epoch - 1 if (metrics or {}).get("partial") else epoch, "global_step": global_step,
-             "rng": rng_states(), "processes": processes(), "metrics": metrics or {}, "synthetic": bool(synthetic),
-             "args": {k: v for k, v in (vars(args).items() if args else ()) if isinstance(v, (str, int, float, bool))
-                      or v is None}}
-    state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)  # --channels-last keeps NHWC
+             "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # or its state
+             "scheduler": scheduler and scheduler.state_dict(),
+             "scaler": scaler and scaler.state_dict(), "epoch": done, "global_step": global_step,
+             "rng": rng_states(), "processes": processes(), "metrics": metrics or {},
+             "synthetic": bool(synthetic), "args": plain}
+    # --channels-last keeps NHWC.
+    state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)
     path = checkpoint_path(out_dir, epoch, metrics)
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(out_dir, exist_ok=True)
@@ -78,53 +92,67 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
             os.fsync(folder)  # the rename itself is durable
         finally:
             os.close(folder)
-    except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else "the write failed: disk full?"
-        raise UserError(f"cannot write checkpoint {path} ({reason}); the previous checkpoints are untouched: free disk "
-                        "space or pick a writable --out-dir, then --resume auto") from None
+    except (OSError, RuntimeError) as error:
+        # torch's zip writer reports a full disk as a RuntimeError.
+        strerror = isinstance(error, OSError) and error.strerror
+        reason = strerror or "the write failed: disk full?"
+        raise UserError(f"cannot write checkpoint {path} ({reason}); the previous checkpoints are "
+                        "untouched: free disk space or pick a writable --out-dir, then "
+                        "--resume auto") from None
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-    found = list_checkpoints(out_dir)  # newest first; a part-way checkpoint is superseded by any newer one
+    # Newest first; a part-way checkpoint is superseded by any newer one.
+    found = list_checkpoints(out_dir)
     for old in found[keep:] + [name for name in found[1:keep] if "-step" in os.path.basename(name)]:
         os.remove(old)
     return path
 
 
 def list_checkpoints(out_dir):
-    """Checkpoint files in out_dir, newest first (a part-way checkpoint after the epochs it completed)."""
-    found = [(int(m.group(1)), int(m.group(2) or 0), p) for p in glob.glob(os.path.join(out_dir, "checkpoint-epoch*.pt"))
+    """Checkpoint files in out_dir, newest first (a part-way one after the epochs it completed)."""
+    paths = glob.glob(os.path.join(out_dir, "checkpoint-epoch*.pt"))
+    found = [(int(m.group(1)), int(m.group(2) or 0), p) for p in paths
              if (m := PATTERN.search(os.path.basename(p)))]
     return [p for _, _, p in sorted(found, reverse=True)]
 
 
 def load(path, arch=None, mmap=False):
-    """Load and validate a checkpoint of this collection; any problem is one UserError with the fix (mmap: map it)."""
+    """Load and validate a checkpoint of this collection; any problem is one UserError with the fix
+    (mmap: map it)."""
     if not os.path.isfile(path):
-        raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest checkpoint in --out-dir)")
+        raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest "
+                        "checkpoint in --out-dir)")
     fix = "pass a checkpoint-epochNNNN.pt written by one of the numbered scripts"
     with open(path, "rb") as f:
-        if (head := f.read(4)) != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save's zip (old torch: a pickle)
+        # torch.save writes a zip (old torch: a pickle).
+        if (head := f.read(4)) != b"PK\x03\x04" and head[:1] != b"\x80":
             raise UserError(f"{path} is not a checkpoint (not a file written by torch.save): {fix}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(error))
-        raise UserError(f"refusing to load {path}: it would run code ({unsafe.group(1)}), which torch.load(weights_only="
-                        f"True) does not allow; {fix}" if unsafe else f"{path} is not a readable checkpoint (damaged or "
-                        "not a torch file): resume from an older checkpoint-epoch*.pt") from None
+        if unsafe:
+            raise UserError(f"refusing to load {path}: it would run code ({unsafe.group(1)}), "
+                            f"which torch.load(weights_only=True) does not allow; {fix}") from None
+        raise UserError(f"{path} is not a readable checkpoint (damaged or not a torch file): "
+                        "resume from an older checkpoint-epoch*.pt") from None
     except Exception as error:  # truncated zip, not a torch file at all, unreadable
-        raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: {brief(error, 160)}); it may be "
-                        "truncated or corrupt: resume from an older checkpoint-epoch*.pt") from None
+        raise UserError(f"{path} is not a readable checkpoint ({type(error).__name__}: "
+                        f"{brief(error, 160)}); it may be truncated or corrupt: resume from an "
+                        "older checkpoint-epoch*.pt") from None
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, "cifar10-parallel/1"):
-        raise UserError(f"{path} is not a checkpoint of this collection (expected format {FORMAT!r}); {fix}")
+        raise UserError(f"{path} is not a checkpoint of this collection (expected format "
+                        f"{FORMAT!r}); {fix}")
     if arch is not None and state["arch"] != arch:
-        raise UserError(f"{path} holds a {state['arch']} model but this run uses --arch {arch}: pass --arch {state['arch']}")
+        raise UserError(f"{path} holds a {state['arch']} model but this run uses --arch {arch}: "
+                        f"pass --arch {state['arch']}")
     return state
 
 
 def _find(resume, out_dir, arch, verbose):
-    """`--resume`: None -> None; 'auto' -> the newest readable checkpoint in out_dir (None if none); a path."""
+    """`--resume`: None -> None; 'auto' -> the newest
+    readable checkpoint in out_dir (None if none); a path."""
     if resume != "auto":
         return None if resume is None else load(resume, arch)
     found = list_checkpoints(out_dir)
@@ -133,61 +161,78 @@ def _find(resume, out_dir, arch, verbose):
             return load(path, arch)
         except UserError as error:
             if path == found[-1]:  # none can be continued: never start over silently on top
-                raise UserError(f"--resume auto: no checkpoint in {out_dir} can be continued by this run ({error}); "
-                                "or use another --out-dir, or --overwrite to replace that run") from None
+                raise UserError(f"--resume auto: no checkpoint in {out_dir} can be continued by "
+                                f"this run ({error}); or use another --out-dir, or --overwrite "
+                                "to replace that run") from None
             if verbose:
                 print(f"warning: skipping {path}: {error}", file=sys.stderr)
     if verbose:
         print(f"no checkpoint in {out_dir}: starting from scratch")
 
 
-def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scaler=None, verbose=True, says=""):
-    """Continue what --resume names (or `state`, a checkpoint a library's own load gave): its states into the objects
-    given (each with load_state_dict(), or a function that takes the state), and the RNGs; with verbose, one line says
-    so (+ `says`). Returns (epochs done, optimizer steps done, {epoch: the row of a run stopped part-way in it}), or
-    (0, 0, {}). Under other batch arithmetic a LambdaLR schedule goes on by progress (epochs done), not step count."""
+def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scaler=None,
+           verbose=True, says=""):
+    """Continue what --resume names (or `state`, a checkpoint a library's own load gave): its states
+    into the objects given (each with load_state_dict(), or a function that takes the state), and
+    the RNGs; with verbose, one line says so (+ `says`). Returns (epochs done, optimizer steps done,
+    {epoch: the row of a run stopped part-way in it}), or (0, 0, {}). Under other batch arithmetic a
+    LambdaLR schedule goes on by progress (epochs done), not step count."""
     state = state or _find(args.resume, args.out_dir, args.arch, verbose)
     if state is None:
         return 0, 0, {}
     row, global_step = state.get("metrics") or {}, state["global_step"]
     try:
-        for target, saved in ((model, state.get("model")), (optimizer, state.get("optimizer")), (scaler, state.get("scaler"))):
-            if target is not None and saved is not None and (saved or target is not scaler):  # {}: a disabled scaler's
+        for target, saved in ((model, state.get("model")), (optimizer, state.get("optimizer")),
+                              (scaler, state.get("scaler"))):
+            # A disabled scaler's state is {}.
+            if target is not None and saved is not None and (saved or target is not scaler):
                 getattr(target, "load_state_dict", target)(saved)
-        for p in [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"] if p in optimizer.state]:
-            optimizer.state[p].update({k: torch.empty_like(p, dtype=v.dtype).copy_(v) for k, v in optimizer.state[p].items()
-                                       if k != "step" and torch.is_tensor(v) and v.shape == p.shape})  # saved plainly
-        steps_now = getattr(scheduler.lr_lambdas[0], "steps_per_epoch", None) if scheduler is not None else None
-        steps_then = row.get("of_steps", row.get("steps")) or (global_step // state["epoch"] if state["epoch"] else None)
+        groups = getattr(optimizer, "param_groups", ())
+        for p in [p for g in groups for p in g["params"] if p in optimizer.state]:
+            # Saved plainly: each state tensor takes its parameter's layout again.
+            optimizer.state[p].update({k: torch.empty_like(p, dtype=v.dtype).copy_(v)
+                                       for k, v in optimizer.state[p].items() if k != "step"
+                                       and torch.is_tensor(v) and v.shape == p.shape})
+        first = scheduler.lr_lambdas[0] if scheduler is not None else None
+        steps_now = getattr(first, "steps_per_epoch", None)
+        steps_then = row.get("of_steps", row.get("steps")) or (
+            global_step // state["epoch"] if state["epoch"] else None)
         if scheduler is not None and state.get("scheduler") and steps_then in (None, steps_now):
             scheduler.load_state_dict(state["scheduler"])
         elif scheduler is not None:  # other batch arithmetic, or no schedule saved (05's)
             if steps_then and steps_now and steps_then != steps_now:
-                part = min(round(row["steps"] * steps_now / steps_then), steps_now - 1) if row.get("partial") else 0
+                part = (min(round(row["steps"] * steps_now / steps_then), steps_now - 1)
+                        if row.get("partial") else 0)
                 global_step, before = state["epoch"] * steps_now + part, global_step
-                if rank() == 0 and state.get("processes", processes()) == processes():  # else settings() said it
-                    print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this run {steps_now}: the "
-                          f"learning-rate schedule continues by progress, at step {global_step} (epochs done: "
-                          f"{state['epoch']}), not at the checkpoint's step {before}")
+                # With another number of processes, settings() said it already.
+                if rank() == 0 and state.get("processes", processes()) == processes():
+                    print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this "
+                          f"run {steps_now}: the learning-rate schedule continues by progress, at "
+                          f"step {global_step} (epochs done: {state['epoch']}), not at the "
+                          f"checkpoint's step {before}")
             scheduler.last_epoch = global_step  # where the schedule is after that many steps
-            for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                              scheduler.lr_lambdas):
                 group["lr"] = base_lr * factor(global_step)
             scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     except (RuntimeError, ValueError, KeyError) as error:
-        raise UserError(f"the checkpoint does not fit this model/optimizer ({brief(str(error).splitlines()[0])}); "
-                        "check --arch and that it was written by this collection") from None
+        cause = brief(str(error).splitlines()[0])
+        raise UserError(f"the checkpoint does not fit this model/optimizer ({cause}); check --arch "
+                        "and that it was written by this collection") from None
     _restore_rng(state["rng"])
     if verbose:
-        where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}" if row.get("partial")
-                 else f"epoch {state['epoch']}")
-        weights = model is not None and None in (optimizer, state.get("optimizer"))  # 05 reads, or wrote, weights only
+        where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}"
+                 if row.get("partial") else f"epoch {state['epoch']}")
+        # Step 05 reads, or wrote, weights only.
+        weights = model is not None and None in (optimizer, state.get("optimizer"))
         print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}"
               + ": weights only, momentum starts from zero" * weights)
     return state["epoch"], global_step, ({row["epoch"]: row} if row.get("partial") else {})
 
 
 class Settings(typing.NamedTuple):
-    """What settings() found: the settings to take, or the error to stop with; apply(args) does either."""
+    """What settings() found: the settings to take, or the error to stop with;
+    apply(args) does either."""
     values: dict = {}  # read only
     error: str = None
 
@@ -199,9 +244,10 @@ class Settings(typing.NamedTuple):
 
 
 def settings(args):
-    """Make --out-dir this run's (make_out_dir), and with --resume find the settings of the run it continues: every
-    setting not typed (args.given) comes from the checkpoint, so `--resume auto` alone continues it. It reads files:
-    rank 0 calls it and shares the result, so that hosts without a shared disk agree; apply(args) on every rank."""
+    """Make --out-dir this run's (make_out_dir), and with --resume find the settings of the run it
+    continues: every setting not typed (args.given) comes from the checkpoint, so `--resume auto`
+    alone continues it. It reads files: rank 0 calls it and shares the result, so that hosts without
+    a shared disk agree; apply(args) on every rank."""
     try:
         values = _settings_to_continue(args)
         make_out_dir(args.out_dir, args.resume, args.overwrite)
@@ -211,17 +257,22 @@ def settings(args):
 
 
 def _settings_to_continue(args):
-    """{setting: value} of the checkpoint's run; a typed --arch that differs stops; a new number of processes or of
-    --epochs is said in one line. A folder of 05's or 08's own checkpoints: the checkpoint-epochNNNN.pt beside it."""
-    if args.resume is None or (args.resume == "auto" and args.overwrite):  # nothing to continue, or a new start
+    """{setting: value} of the checkpoint's run; a typed --arch that differs stops; a new number of
+    processes or of --epochs is said in one line. A folder of 05's or 08's own checkpoints: the
+    checkpoint-epochNNNN.pt beside it."""
+    # Nothing to continue, or a new start.
+    if args.resume is None or (args.resume == "auto" and args.overwrite):
         return {}
     found, folder = [args.resume], os.path.abspath(args.resume)
     if args.resume == "auto":
         found = list_checkpoints(args.out_dir)
-    elif os.path.isdir(args.resume):  # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it
+    elif os.path.isdir(args.resume):
+        # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
         if not TAG.fullmatch(os.path.basename(folder)):
-            folder = os.path.join(folder, max((n for n in os.listdir(folder) if TAG.fullmatch(n)), default="none"))
-        beside = os.path.join(os.path.dirname(os.path.dirname(folder)), f"checkpoint-{os.path.basename(folder)}.pt")
+            newest = max((n for n in os.listdir(folder) if TAG.fullmatch(n)), default="none")
+            folder = os.path.join(folder, newest)
+        name = f"checkpoint-{os.path.basename(folder)}.pt"
+        beside = os.path.join(os.path.dirname(os.path.dirname(folder)), name)
         found = [beside] if os.path.isfile(beside) else []
     for path in found:
         try:
@@ -233,22 +284,26 @@ def _settings_to_continue(args):
     else:
         return {}  # nothing to continue: resume() says so, or which files it skipped
     if "arch" in args.given and args.arch != state["arch"]:
-        raise UserError(f"--arch {args.arch} contradicts {path}, which holds a {state['arch']} model: drop --arch to "
-                        "continue it, or start a new run in another --out-dir")
+        raise UserError(f"--arch {args.arch} contradicts {path}, which holds a {state['arch']} "
+                        "model: drop --arch to continue it, or start a new run in another "
+                        "--out-dir")
     saved = state.get("args", {})
     values = {name: value for name, value in {**saved, "arch": state["arch"]}.items()
               if name not in args.given and name not in OWN_SETTINGS and hasattr(args, name)}
     if "epochs" in args.given and saved.get("epochs") and args.epochs != saved["epochs"]:
-        print(f"note: --epochs {args.epochs}, the checkpoint's run had {saved['epochs']}: the learning-rate schedule "
-              f"is stretched to {args.epochs} epochs from where the run stands (not started again)")
+        print(f"note: --epochs {args.epochs}, the checkpoint's run had {saved['epochs']}: the "
+              f"learning-rate schedule is stretched to {args.epochs} epochs from where the run "
+              "stands (not started again)")
     before, now = state.get("processes"), processes()
     if before and before != now:
         batch_then = saved.get("batch_size", 0) * before * saved.get("grad_accum", 1)
-        batch_now = values.get("batch_size", args.batch_size) * now * values.get("grad_accum", args.grad_accum)
-        print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global batch {batch_then}), "
-              f"this one has {now} (global batch {batch_now}): " + (
-                  "the learning-rate schedule continues by progress (epochs done), not by step count"
-                  if batch_then != batch_now else "the same global batch, the learning-rate schedule goes on as it was"))
+        batch_now = (values.get("batch_size", args.batch_size) * now
+                     * values.get("grad_accum", args.grad_accum))
+        how = "the learning-rate schedule continues by progress (epochs done), not by step count"
+        same = "the same global batch, the learning-rate schedule goes on as it was"
+        print(f"note: the checkpoint's run had {before} process{'es' * (before != 1)} (global "
+              f"batch {batch_then}), this one has {now} (global batch {batch_now}): "
+              + (how if batch_then != batch_now else same))
     return values
 
 
@@ -264,36 +319,42 @@ def weights_digest(model_state):
 
 def write_digest(out_dir, rank, model_state):
     """out_dir/weights-rankN.sha256: equal files mean bit-identical weights."""
-    os.makedirs(out_dir, exist_ok=True)  # a rank on another host than rank 0 (no shared disk) has no folder yet
+    # A rank on another host than rank 0 (no shared disk) has no folder yet.
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"weights-rank{rank}.sha256"), "w") as f:
         f.write(weights_digest(model_state) + "\n")
 
 
 def make_out_dir(out_dir, resume=None, overwrite=False):
-    """Check --out-dir before training: writable, and not another run's (its checkpoints) unless this run continues it
-    (--resume auto, or of its newest checkpoint or its own folders) or replaces it (--overwrite)."""
+    """Check --out-dir before training: writable, and not another run's (its checkpoints) unless
+    this run continues it (--resume auto, or of its newest checkpoint or its own folders) or
+    replaces it (--overwrite)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file: pass a folder")
     held = [os.path.basename(path) for path in list_checkpoints(out_dir)] + [
         f"{name}/" for name in (ENGINE_DIR, DCP_DIR) if os.path.isdir(os.path.join(out_dir, name))
         and os.listdir(os.path.join(out_dir, name))]
-    inside = resume not in (None, "auto") and os.path.realpath(resume).startswith(os.path.realpath(out_dir) + os.sep)
+    inside = resume not in (None, "auto") and (
+        os.path.realpath(resume).startswith(os.path.realpath(out_dir) + os.sep))
     if held and overwrite:
         if inside:
-            raise UserError(f"--overwrite would delete --resume {resume}: copy it out of {out_dir} first")
+            raise UserError(f"--overwrite would delete --resume {resume}: "
+                            f"copy it out of {out_dir} first")
         print(f"--overwrite: replacing the run in {out_dir} ({held[0]} and its metrics)")
         for name in held + [ENGINE_DIR, DCP_DIR, "metrics.jsonl", "training_curves.png"]:
             path = os.path.join(out_dir, name)
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     elif held and resume is None:
-        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}): continue it with --resume auto, "
-                        "write to another --out-dir, or replace it with --overwrite")
-    elif held and resume != "auto" and not (inside and (os.path.isdir(resume) or os.path.basename(resume) == held[0])):
-        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}); continuing {resume} there would mix two "
-                        "runs (and the newest-3 rule would delete the new checkpoints): pass another --out-dir, or "
-                        "--overwrite to replace that run")
-    # Leftovers: saves killed before their rename, an earlier run's weight digests (more ranks' would disagree).
+        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}): continue it with "
+                        "--resume auto, write to another --out-dir, or replace it with --overwrite")
+    elif held and resume != "auto" and not (
+            inside and (os.path.isdir(resume) or os.path.basename(resume) == held[0])):
+        raise UserError(f"--out-dir {out_dir} already holds a run ({held[0]}); continuing {resume} "
+                        "there would mix two runs (and the newest-3 rule would delete the new "
+                        "checkpoints): pass another --out-dir, or --overwrite to replace that run")
+    # Leftovers: saves killed before their rename,
+    # an earlier run's weight digests (more ranks' would disagree).
     for leftover in [path for pattern in ("checkpoint-epoch*.pt.tmp-*", "weights-rank*.sha256")
                      for path in glob.glob(os.path.join(glob.escape(out_dir), pattern))]:
         with contextlib.suppress(OSError):
@@ -302,5 +363,5 @@ def make_out_dir(out_dir, resume=None, overwrite=False):
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out-dir {out_dir} is not writable ("
-                        f"{'Permission denied' if os.path.isdir(existing) else 'Not a directory'}): pick another folder")
+        reason = "Permission denied" if os.path.isdir(existing) else "Not a directory"
+        raise UserError(f"--out-dir {out_dir} is not writable ({reason}): pick another folder")

@@ -1,8 +1,9 @@
-"""CIFAR-10 read by torchvision's CIFAR10 class into memory as uint8 tensors, and every step's training sampler. A
-`cifar-10-batches-py` folder in --data-dir is used as it is (a generated copy too); download() fetches the official
-archive (MD5 checked) where there is none. The augmentation (a random crop with 4 px zero padding, a horizontal flip)
-runs on uint8 tensors, its randomness a hash of (seed, epoch, index): a sample gets the same crop in an epoch whatever
-the processes, batch size or workers, so a resumed or two-process run follows one uninterrupted process exactly."""
+"""CIFAR-10 read by torchvision's CIFAR10 class into memory as uint8 tensors, and every step's
+training sampler. A `cifar-10-batches-py` folder in --data-dir is used as it is (a generated copy
+too); download() fetches the official archive (MD5 checked) where there is none. The augmentation (a
+random crop with 4 px zero padding, a horizontal flip) runs on uint8 tensors, its randomness a hash
+of (seed, epoch, index): a sample gets the same crop in an epoch whatever the processes, batch size
+or workers, so a resumed or two-process run follows one uninterrupted process exactly."""
 import contextlib
 import itertools
 import os
@@ -19,13 +20,15 @@ from .cli import UserError
 from ._torchvision import CIFAR10
 
 FOLDER = "cifar-10-batches-py"
-FILES = ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch", "batches.meta"]
+FILES = ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
+         "test_batch", "batches.meta"]
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # per channel, 0-1 scale
 
 
 class Info(typing.NamedTuple):
-    """What build_data says of its data: mean, std per channel (0-1) for our models; synthetic: outputs say so."""
+    """What build_data says of its data:
+    mean, std per channel (0-1) for our models; synthetic: outputs say so."""
     num_classes: int
     mean: tuple = None
     std: tuple = None
@@ -33,44 +36,52 @@ class Info(typing.NamedTuple):
 
 
 class _CIFAR10Folder(CIFAR10):
-    """torchvision's CIFAR10, trusting a folder already on disk (its MD5 check rejects generated copies; a download is
-    still checked, by the archive's MD5)."""
-    meta = {**CIFAR10.meta, "md5": None}  # check_integrity(path, None) only asks that the file exists
+    """torchvision's CIFAR10, trusting a folder already on disk (its MD5 check rejects generated
+    copies; a download is still checked, by the archive's MD5)."""
+    meta = {**CIFAR10.meta, "md5": None}  # check_integrity(path, None) only asks that it exists
 
     def _check_integrity(self):
         return all(os.path.isfile(os.path.join(self.root, FOLDER, name)) for name in FILES)
 
 
 def _remedies(data_dir):  # what to do about data that is not there or not readable
-    return (f"either put the official CIFAR-10 python version ({CIFAR10.url}) unpacked into {data_dir} (so that "
-            f"{os.path.join(data_dir, FOLDER, 'data_batch_1')} exists), or generate a small synthetic stand-in with: "
+    first = os.path.join(data_dir, FOLDER, "data_batch_1")
+    return (f"either put the official CIFAR-10 python version ({CIFAR10.url}) unpacked into "
+            f"{data_dir} (so that {first} exists), or generate a small synthetic stand-in with: "
             f"python scripts/synthetic.py --data-dir {data_dir}")
 
 
 def download(data_dir, fetch=True):
-    """Make sure CIFAR-10 is in data_dir, downloading it if allowed (fetch). Raises UserError otherwise."""
+    """Make sure CIFAR-10 is in data_dir, downloading it if allowed (fetch).
+    Raises UserError otherwise."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        raise UserError(f"--data-dir {data_dir} is a file, not a folder: pass the folder that holds {FOLDER}/")
+        raise UserError(f"--data-dir {data_dir} is a file, not a folder: "
+                        f"pass the folder that holds {FOLDER}/")
     missing = [name for name in FILES if not os.path.isfile(os.path.join(data_dir, FOLDER, name))]
     if not missing:
         return
     if os.path.isdir(os.path.join(data_dir, FOLDER)) or not fetch:
-        raise UserError(f"CIFAR-10 is incomplete in {data_dir} (missing {', '.join(missing)}): " + _remedies(data_dir))
+        raise UserError(f"CIFAR-10 is incomplete in {data_dir} (missing {', '.join(missing)}): "
+                        + _remedies(data_dir))
     timeout, private = socket.getdefaulttimeout(), None
-    socket.setdefaulttimeout(60)  # a firewall that drops packets fails the download instead of hanging it
+    # A firewall that drops packets fails the download instead of hanging it.
+    socket.setdefaulttimeout(60)
     try:
         os.makedirs(data_dir, exist_ok=True)
-        # Into a folder of this process's own, renamed into place in one step: processes on other machines that share
-        # data_dir (one per node downloads) never see a half-extracted folder, and the first rename wins.
+        # Into a folder of this process's own, renamed into place in one step: processes on other
+        # machines that share data_dir (one per node downloads) never see a half-extracted folder,
+        # and the first rename wins.
         private = tempfile.mkdtemp(prefix=".download-", dir=data_dir)
         _CIFAR10Folder(private, train=True, download=True)
-        with contextlib.suppress(OSError):  # the target exists: another process was first (with the same files)
+        # OSError: the target exists, as another process was first (with the same files).
+        with contextlib.suppress(OSError):
             os.rename(os.path.join(private, FOLDER), os.path.join(data_dir, FOLDER))
     except PermissionError as error:
-        raise UserError(f"cannot write to --data-dir {data_dir} ({error.strerror}): pick a writable folder") from None
+        raise UserError(f"cannot write to --data-dir {data_dir} ({error.strerror}): "
+                        "pick a writable folder") from None
     except Exception as error:  # urllib, socket and ssl errors all mean "could not download"
-        raise UserError(f"CIFAR-10 is not in {data_dir} and downloading it failed ({type(error).__name__}: {error}): "
-                        + _remedies(data_dir)) from None
+        raise UserError(f"CIFAR-10 is not in {data_dir} and downloading it failed "
+                        f"({type(error).__name__}: {error}): " + _remedies(data_dir)) from None
     finally:
         socket.setdefaulttimeout(timeout)
         if private:
@@ -86,8 +97,9 @@ def _mix64(x):
 
 
 class CIFAR10Tensors(torch.utils.data.Dataset):
-    """Images (uint8 [N, 3, 32, 32]) and labels; with train=True every item is randomly cropped and flipped, by
-    set_epoch()'s epoch (in shared memory: DataLoader workers, persistent ones too, see it)."""
+    """Images (uint8 [N, 3, 32, 32]) and labels; with train=True every item is randomly cropped and
+    flipped, by set_epoch()'s epoch (in shared memory: DataLoader workers, persistent ones too, see
+    it)."""
 
     def __init__(self, images, labels, train, seed=0):
         self.images, self.labels, self.train, self.seed = images, labels, train, seed
@@ -112,51 +124,60 @@ class CIFAR10Tensors(torch.utils.data.Dataset):
 def _read_split(data_dir, train):
     try:
         dataset = _CIFAR10Folder(data_dir, train=train, download=False)
-    except (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, OSError, RuntimeError) as error:
+    except (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError, OSError,
+            RuntimeError) as error:
         where = os.path.join(data_dir, FOLDER)
-        for name in ["batches.meta", *(FILES[:5] if train else ["test_batch"])]:  # the first that is no pickled dict
+        # `where`: the first file that is no pickled dict.
+        for name in ["batches.meta", *(FILES[:5] if train else ["test_batch"])]:
             with contextlib.suppress(Exception), open(os.path.join(where, name), "rb") as f:
                 if isinstance(pickle.load(f, encoding="latin1"), dict):
                     continue
             where = os.path.join(where, name)
             break
-        raise UserError(f"cannot read CIFAR-10 in {where} ({type(error).__name__}: {error}); the file is damaged or "
-                        "not CIFAR-10: " + _remedies(data_dir)) from None
+        raise UserError(f"cannot read CIFAR-10 in {where} ({type(error).__name__}: {error}); the "
+                        "file is damaged or not CIFAR-10: " + _remedies(data_dir)) from None
     images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     labels = torch.tensor(dataset.targets, dtype=torch.int64)
-    if len(labels) != len(images) or len(labels) == 0 or labels.min() < 0 or labels.max() >= len(CLASSES):
-        raise UserError(f"CIFAR-10 in {data_dir} has {len(images)} images, {len(labels)} labels, or labels outside "
-                        "0-9: " + _remedies(data_dir))
+    if (len(labels) != len(images) or len(labels) == 0 or labels.min() < 0
+            or labels.max() >= len(CLASSES)):
+        raise UserError(f"CIFAR-10 in {data_dir} has {len(images)} images, {len(labels)} labels, "
+                        "or labels outside 0-9: " + _remedies(data_dir))
     return images, labels
 
 
 def cifar10(data_dir, seed=0):
     """CIFAR-10 (downloaded already) in memory: (train set with augmentation, test set, Info)."""
     download(data_dir, fetch=False)
-    train, test = _read_split(data_dir, train=True), _read_split(data_dir, train=False)  # batches.meta read, checked
+    # These read and check batches.meta too.
+    train, test = _read_split(data_dir, train=True), _read_split(data_dir, train=False)
     with open(os.path.join(data_dir, FOLDER, "batches.meta"), "rb") as f:
-        synthetic = bool(pickle.load(f, encoding="latin1").get("synthetic"))  # scripts/synthetic.py's data says so
+        # scripts/synthetic.py's data says so.
+        synthetic = bool(pickle.load(f, encoding="latin1").get("synthetic"))
     return (CIFAR10Tensors(*train, train=True, seed=seed), CIFAR10Tensors(*test, train=False),
             Info(num_classes=len(CLASSES), mean=MEAN, std=STD, synthetic=synthetic))
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """The indices `sampler` (a DistributedSampler) gives for an epoch, cut to whole optimizer steps of `step_size`
-    indices (batch x accumulation); after a stop part-way, only those after the steps done, none of which is loaded
-    (accelerate's skip_first_batches does it for a loader). set_epoch() also tells the data set (ours: its crops)."""
+    """The indices `sampler` (a DistributedSampler) gives for an epoch, cut to whole optimizer steps
+    of `step_size` indices (batch x accumulation); after a stop part-way, only those after the steps
+    done, none of which is loaded (accelerate's skip_first_batches does it for a loader).
+    set_epoch() also tells the data set (ours: its crops)."""
 
     def __init__(self, sampler, step_size):
-        self.sampler, self.step_size, self.skip, self.steps = sampler, step_size, 0, len(sampler) // step_size
+        self.sampler, self.step_size, self.skip = sampler, step_size, 0
+        self.steps = len(sampler) // step_size
         if not self.steps:
-            raise UserError(f"{len(sampler)} training images are too few for an optimizer step of {step_size} (per "
-                            "process): lower --batch-size or --grad-accum")
+            raise UserError(f"{len(sampler)} training images are too few for an optimizer step of "
+                            f"{step_size} (per process): lower --batch-size or --grad-accum")
 
     def set_epoch(self, epoch, part=None):
-        """Epoch `epoch`; `part`: the metrics row a run stopped in it saved ("steps" done of "of_steps", its batch
-        arithmetic): this run goes on after the same fraction of the epoch. Returns the steps it skips."""
+        """Epoch `epoch`; `part`: the metrics row a run stopped in it saved ("steps" done of
+        "of_steps", its batch arithmetic): this run goes on after the same fraction of the epoch.
+        Returns the steps it skips."""
         self.sampler.set_epoch(epoch)
         getattr(self.sampler.dataset, "set_epoch", lambda epoch: None)(epoch)
-        done = min(round(part["steps"] * self.steps / part["of_steps"]), self.steps - 1) if part else 0
+        done = (min(round(part["steps"] * self.steps / part["of_steps"]), self.steps - 1)
+                if part else 0)
         self.skip = done * self.step_size
         return done
 

@@ -1,11 +1,13 @@
-"""Stopping cleanly on request. Slurm sends SIGTERM to every process of a job before it kills it (scancel, preemption,
-the time limit); `#SBATCH --signal=USR1@120` asks for SIGUSR1 two minutes early (slurm/). Stop catches both; the loop
-asks stop.requested(steps) after each optimizer step, and the step saves where it stopped and exits EXIT_REQUEUE, on
-which the batch scripts requeue the job. Every rank must stop after the same step: the step gives Stop `agree(flag)`,
-a collective that starts a max over ranks of a one-element CPU tensor without waiting and returns what waits for it;
-Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived. Processes started
-after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's signal kill a worker and the training
-process with it; the exit ends them with SIGKILL (end_workers_at_exit), as SIGTERM would wait forever."""
+"""Stopping cleanly on request. Slurm sends SIGTERM to every process of a job before it kills it
+(scancel, preemption, the time limit); `#SBATCH --signal=USR1@120` asks for SIGUSR1 two minutes
+early (slurm/). Stop catches both; the loop asks stop.requested(steps) after each optimizer step,
+and the step saves where it stopped and exits EXIT_REQUEUE, on which the batch scripts requeue the
+job. Every rank must stop after the same step: the step gives Stop `agree(flag)`, a collective that
+starts a max over ranks of a one-element CPU tensor without waiting and returns what waits for it;
+Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived.
+Processes started after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's
+signal kill a worker and the training process with it; the exit ends them with SIGKILL
+(end_workers_at_exit), as SIGTERM would wait forever."""
 import atexit
 import contextlib
 import multiprocessing
@@ -19,24 +21,32 @@ import torch
 from .cli import rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-EXIT_REQUEUE = 75  # EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume
-CHECK_EVERY = 8  # optimizer steps between two looks at the stop flag: a signal ends the epoch within 2 x this
+# EX_TEMPFAIL ("try again later"): stopped on request with a checkpoint; requeue and resume.
+EXIT_REQUEUE = 75
+# Optimizer steps between two looks at the stop flag: a signal ends the epoch within 2 x this.
+CHECK_EVERY = 8
 
 
 class Stop:
     """Catches SIGTERM and SIGUSR1 from now on; --stop-after N leaves after N epochs of this run."""
 
     def __init__(self, stop_after=None, agree=None):
-        self.signal, self.stopped = None, False  # the first signal this process received; the ranks agreed to stop
+        # The first signal this process received; the ranks agreed to stop.
+        self.signal, self.stopped = None, False
         self.stop_after, self._agree, self._pending = stop_after, agree, None
-        for sig in SIGNALS:  # threads started before now may take a signal: Python runs this handler for them
+        # Threads started before now may take a signal: Python runs this handler for them.
+        for sig in SIGNALS:
             signal.signal(sig, lambda signum, frame: self._note(signum))
-        if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):  # spawn, forkserver (step 06)
-            resource_tracker.ensure_running()  # it unblocks SIGTERM when it starts: start it before the block below
-        # This thread blocks them (inherited by threads and processes it starts); one thread of ours waits for them.
+        # Under spawn or forkserver (step 06), the resource tracker unblocks SIGTERM when it starts:
+        # start it before the block below.
+        if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
+            resource_tracker.ensure_running()
+        # This thread blocks them (inherited by threads and processes it starts); one thread of ours
+        # waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=self._wait, daemon=True, name="stop-signals").start()
-        if not getattr(end_workers_at_exit, "registered", False):  # once; multiprocessing's exit handler runs after it
+        # Registered once; multiprocessing's exit handler runs after it.
+        if not getattr(end_workers_at_exit, "registered", False):
             atexit.register(end_workers_at_exit)
             end_workers_at_exit.registered = True
 
@@ -48,8 +58,9 @@ class Stop:
             self._note(signal.sigwait(SIGNALS))
 
     def requested(self, steps=CHECK_EVERY, wait=False):
-        """After `steps` optimizer steps of this epoch: True once the ranks agreed that one received a signal. Collective
-        every CHECK_EVERY steps: reads the agreement the previous look started and starts the next (wait: waits for it)."""
+        """After `steps` optimizer steps of this epoch: True once the ranks agreed that one received
+        a signal. Collective every CHECK_EVERY steps: reads the agreement the previous look started
+        and starts the next (wait: waits for it)."""
         if self.stopped or self._agree is None:  # one process: no one to agree with
             self.stopped = self.stopped or self.signal is not None
             return self.stopped
@@ -70,15 +81,18 @@ class Stop:
         self.stopped, self._pending = bool(flag.item()), None
 
     def leave(self, epoch, start_epoch, epochs):
-        """After epoch `epoch` (saved): True if the run leaves now, on a signal or after --stop-after epochs; rank 0
-        says why. Collective, like requested()."""
-        if epoch >= epochs or not (self.requested(wait=True) or self.stop_after and epoch - start_epoch >= self.stop_after):
+        """After epoch `epoch` (saved): True if the run leaves now, on a signal or after
+        --stop-after epochs; rank 0 says why. Collective, like requested()."""
+        run_epochs = epoch - start_epoch
+        if epoch >= epochs or not (self.requested(wait=True)
+                                   or (self.stop_after and run_epochs >= self.stop_after)):
             return False
         if rank() == 0:
-            got = f"received {self.signal}" if self.signal else "another rank received SIGTERM/SIGUSR1"
-            print(f"{got}: checkpoint saved; exit {EXIT_REQUEUE} (a batch script requeues); continue with --resume auto"
-                  if self.stopped else f"stopping after {self.stop_after} epoch(s) as asked; continue with --resume auto",
-                  flush=True)
+            other = "another rank received SIGTERM/SIGUSR1"
+            got = f"received {self.signal}" if self.signal else other
+            why = f"{got}: checkpoint saved; exit {EXIT_REQUEUE} (a batch script requeues)"
+            asked = f"stopping after {self.stop_after} epoch(s) as asked"
+            print(f"{why if self.stopped else asked}; continue with --resume auto", flush=True)
         return True
 
     def exit_status(self):
@@ -86,8 +100,9 @@ class Stop:
 
 
 def end_workers_at_exit():
-    """What multiprocessing's exit handler does to daemonic children (DataLoader workers), with SIGKILL instead of the
-    SIGTERM they block. torch's SIGCHLD handler, which would call a loader's worker killed, goes first."""
+    """What multiprocessing's exit handler does to daemonic children (DataLoader workers), with
+    SIGKILL instead of the SIGTERM they block. torch's SIGCHLD handler, which would call a loader's
+    worker killed, goes first."""
     children = [child for child in multiprocessing.active_children() if child.daemon]
     if children:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

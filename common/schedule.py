@@ -3,8 +3,9 @@ import math
 
 
 def warmup_cosine(epochs, steps_per_epoch, warmup_epochs):
-    """A LambdaLR factor: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 by the last epoch's end; a plain function (no
-    state in checkpoints), carrying `steps_per_epoch` for checkpoint.resume to place other batch arithmetic by epochs."""
+    """A LambdaLR factor: 0 -> 1 over the warm-up epochs, then cosine 1 -> 0 by the last epoch's
+    end; a plain function (no state in checkpoints), carrying `steps_per_epoch` for
+    checkpoint.resume to place other batch arithmetic by epochs."""
     total_steps, warmup_steps = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
 
     def factor(step):

@@ -1,15 +1,17 @@
 """Run again the commands whose output the docs show, and write what they print into the pages.
 
-    .venv/bin/python scripts/docs_outputs.py              # every block of every page (about 5 minutes)
-    .venv/bin/python scripts/docs_outputs.py 04 05        # the blocks named output:04 and output:05
+    .venv/bin/python scripts/docs_outputs.py          # every block of every page (about 5 minutes)
+    .venv/bin/python scripts/docs_outputs.py 04 05    # the blocks named output:04 and output:05
 
-A page marks each sample with <!-- output:NAME --> ... <!-- /output:NAME -->. Inside, every ```bash fence is a run:
-its commands run in a shell from the repository root (the last one is the run shown; the ones before prepare its data),
-and the plain ``` fence after it gets what that command printed (its --out-dir under /tmp is removed first), less the
-launchers' and libraries' own lines (NOISE: torchrun's OMP_NUM_THREADS notice, DeepSpeed's log, the profiler's).
-The block's text is updated too, run by run in order: "Run on DATE on this repository's machine: ... torch VERSION",
-"load average just before the run: X" and "N s wall, exit status R". Everything else in the block (what it explains)
-is left for you to check against the new output: the script prints each block's old and new output for that.
+A page marks each sample with <!-- output:NAME --> ... <!-- /output:NAME -->. Inside, every ```bash
+fence is a run: its commands run in a shell from the repository root (the last one is the run shown;
+the ones before prepare its data), and the plain ``` fence after it gets what that command printed
+(its --out-dir under /tmp is removed first), less the launchers' and libraries' own lines (NOISE:
+torchrun's OMP_NUM_THREADS notice, DeepSpeed's log, the profiler's). The block's text is updated
+too, run by run in order: "Run on DATE on this repository's machine: ... torch VERSION", "load
+average just before the run: X" and "N s wall, exit status R". Everything else in the block (what it
+explains) is left for you to check against the new output: the script prints each block's old and
+new output for that.
 """
 import argparse
 import datetime
@@ -22,34 +24,44 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- output:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /output:(?P=name) -->)", re.S)
+BLOCK = re.compile(r"(<!-- output:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                   r"(<!-- /output:(?P=name) -->)", re.S)
 RUN = re.compile(r"```bash\n(?P<commands>.*?)```\n(?P<between>.*?)```\n(?P<output>.*?)```\n", re.S)
-NOISE = re.compile(r"OMP_NUM_THREADS|^\*{10,}|^W\d{4} |^\[W\d{4} |^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\]|"
+NOISE = re.compile(r"OMP_NUM_THREADS|^\*{10,}|^W\d{4} |^\[W\d{4} |"
+                   r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\]|"
                    r"^(STAGE:|USDT)|^\[rank\d+\]:\[W")
 
 
 def machine():
-    """The sentence's machine: the CPU, whether it computes bf16 natively (what --amp auto picks), and torch."""
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    probe = ("import torch; from common.cli import native_bf16; native, name = native_bf16(torch.device('cpu')); "
+    """The sentence's machine: the CPU,
+    whether it computes bf16 natively (what --amp auto picks), and torch."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                 "unknown CPU")
+    probe = ("import torch; from common.cli import native_bf16; "
+             "native, name = native_bf16(torch.device('cpu')); "
              "print(torch.__version__, native, name[len('this CPU ('):-1])")
-    version, native, isa = subprocess.run([sys.executable, "-c", probe], cwd=REPO, text=True, check=True,
-                                          capture_output=True).stdout.split(maxsplit=2)
-    bf16 = f"with native bf16 ({isa.strip()})" if native == "True" else f"without native bf16 ({isa.strip()})"
+    printed = subprocess.run([sys.executable, "-c", probe], cwd=REPO, text=True, check=True,
+                             capture_output=True).stdout
+    version, native, isa = printed.split(maxsplit=2)
+    kind = "with" if native == "True" else "without"
+    bf16 = f"{kind} native bf16 ({isa.strip()})"
     return f"a {os.cpu_count()}-core {model} {bf16}", version
 
 
 def run(commands):
-    """Run the fence's commands; return (the last command's kept output, seconds, exit status, load average)."""
+    """Run the fence's commands; return (the last command's kept output, seconds, exit status,
+    load average)."""
     *prepare, shown = [line for line in commands.strip().splitlines() if line.strip()]
-    for folder in re.findall(r"--out-dir (/tmp/\S+)", shown):  # a fresh run each time (the pages write under /tmp)
+    # A fresh run each time (the pages write under /tmp).
+    for folder in re.findall(r"--out-dir (/tmp/\S+)", shown):
         shutil.rmtree(folder, ignore_errors=True)
     for command in prepare:
         subprocess.run(command, shell=True, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     load = os.getloadavg()[0]
     began = time.monotonic()
-    proc = subprocess.run(shown, shell=True, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.run(shown, shell=True, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
     seconds = time.monotonic() - began
     kept = [line for line in proc.stdout.splitlines() if not NOISE.search(line)]
     return "\n".join(kept) + "\n", seconds, proc.returncode, load
@@ -72,11 +84,12 @@ def redo(body, today, cpu):
     figures = iter(runs)
     body = re.sub(r"(\d+) s wall, exit status (\d+)",
                   lambda m: "{:.0f} s wall, exit status {}".format(*next(figures)[:2]), body)
-    body = re.sub(r"Exit status (\d+), (\d+) s wall", lambda m: "Exit status {1}, {0:.0f} s wall".format(*runs[-1][:2]),
-                  body)
+    body = re.sub(r"Exit status (\d+), (\d+) s wall",
+                  lambda m: "Exit status {1}, {0:.0f} s wall".format(*runs[-1][:2]), body)
     described, version = cpu
-    return re.sub(r"Run on \d{4}-\d\d-\d\d on this repository's machine: [^,]*, [^.]*?torch \d[\w.+]*\w",
-                  f"Run on {today} on this repository's machine: {described}, no GPU, torch {version}", body)
+    old = r"Run on \d{4}-\d\d-\d\d on this repository's machine: [^,]*, [^.]*?torch \d[\w.+]*\w"
+    new = f"Run on {today} on this repository's machine: {described}, no GPU, torch {version}"
+    return re.sub(old, new, body)
 
 
 def main():
@@ -84,10 +97,15 @@ def main():
     parser.add_argument("names", nargs="*", help="the blocks to redo (default: all)")
     args = parser.parse_args()
     today, cpu = datetime.date.today().isoformat(), machine()
+
+    def block(m):
+        """A block with its body redone if it is one of the names asked for (all: none asked)."""
+        asked = not args.names or m["name"] in args.names
+        return m.group(1) + (redo(m["body"], today, cpu) if asked else m["body"]) + m.group(4)
+
     for page in sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]:
         text = page.read_text()
-        new = BLOCK.sub(lambda m: m.group(1) + (redo(m["body"], today, cpu) if not args.names or m["name"] in args.names
-                                                else m["body"]) + m.group(4), text)
+        new = BLOCK.sub(block, text)
         if new != text:
             page.write_text(new)
             print(f"rewrote {page.relative_to(REPO)}")

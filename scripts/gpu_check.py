@@ -1,20 +1,23 @@
-"""The GPU check: every step's default path and every path only a GPU runs, on this machine's NVIDIA GPUs.
+"""The GPU check: every step's default path and every GPU-only path, on this machine's NVIDIA GPUs.
 
-    bash scripts/gpu_check.sh [--steps 02,04] [--dry-run --gpus 4] [-- flags for every run]   # docs/benchmark-gpu.md
-    python scripts/gpu_check.py --rehearse-on-cpu --steps 02 -- --arch cnn --amp off --workers 0   # its machinery
+    # docs/benchmark-gpu.md
+    bash scripts/gpu_check.sh [--steps 02,04] [--dry-run --gpus 4] [-- flags for every run]
+    # its machinery
+    python scripts/gpu_check.py --rehearse-on-cpu --steps 02 -- --arch cnn --amp off --workers 0
 
-On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with --amp fp16, and
---amp bf16 where the GPU computes it natively); after each default run (and 02 --amp fp16) a resume check: 2 epochs
-uninterrupted against --stop-after 1 then --resume auto, with fixed kernels (cuDNN deterministic, no per-process
-algorithm search, no Horovod fusion), every rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs
-2..E, peak GPU memory, and for 02 its loop against its own train_one_epoch on batches already on the GPU (pure
-compute). Then PATHS, each a 2-epoch run on the small data that must exit 0 with equal weights on every rank (those
-whose checkpoints hold a loss scale, fp16 and apex.amp, or O2's master weights: and then resume bit for bit). Any
-failure fails the check; only no GPU (a CPU rehearsal), too few GPUs, emulated or native bf16 where a row needs the
-other, or a library not installed (DeepSpeed, Horovod, Apex) is a skip, with why. Results: a table,
-WORK/results.json, docs/benchmark-gpu.md.
-Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU, no CUDA torch, a package
-every step needs is missing).
+On generated data (scripts/synthetic.py --easy), each step as the README starts it (02 also with
+--amp fp16, and --amp bf16 where the GPU computes it natively); after each default run (and 02
+--amp fp16) a resume check: 2 epochs uninterrupted against --stop-after 1 then --resume auto, with
+fixed kernels (cuDNN deterministic, no per-process algorithm search, no Horovod fusion), every
+rank's weights-rank*.sha256 equal in both. Measured: img/s of epochs 2..E, peak GPU memory, and for
+02 its loop against its own train_one_epoch on batches already on the GPU (pure compute). Then
+PATHS, each a 2-epoch run on the small data that must exit 0 with equal weights on every rank (those
+whose checkpoints hold a loss scale, fp16 and apex.amp, or O2's master weights: and then resume bit
+for bit). Any failure fails the check; only no GPU (a CPU rehearsal), too few GPUs, emulated or
+native bf16 where a row needs the other, or a library not installed (DeepSpeed, Horovod, Apex) is a
+skip, with why. Results: a table, WORK/results.json, docs/benchmark-gpu.md.
+Exit status: 0 every check that ran passed; 1 one failed; 2 it cannot start here (no GPU, no CUDA
+torch, a package every step needs is missing).
 """
 import argparse
 import functools
@@ -39,85 +42,112 @@ sys.path.insert(0, str(REPO))  # `common` lives at the repository root
 import launchers  # noqa: E402  (the standard library only: the checks below come before torch and common/)
 
 DOC, RESULTS = REPO / "docs" / "benchmark-gpu.md", "## Results"
-LAUNCHER = {2: "python", 3: "python", 4: "torchrun", 5: "deepspeed", 6: "horovodrun", 7: "torchrun", 8: "torchrun"}
+LAUNCHER = {2: "python", 3: "python", 4: "torchrun", 5: "deepspeed", 6: "horovodrun", 7: "torchrun",
+            8: "torchrun"}
+# a launcher that is not next to python, started by its python
 MODULE = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner",
-          "horovodrun": "horovod.runner.launch"}  # a launcher that is not next to python, started by its python
+          "horovodrun": "horovod.runner.launch"}
 LIBRARY = {5: ("deepspeed", "DeepSpeed"), 6: ("horovod", "Horovod")}
-NOT_INSTALLED = ("DeepSpeed is not importable", "Horovod is not importable", "needs NVIDIA Apex")  # skips, not failures
-ERROR = re.compile(r"^(?:.*?[]:>] ?)?error: (.+)$", re.M)  # our scripts' one line, after a launcher's prefix
+# skips, not failures
+NOT_INSTALLED = ("DeepSpeed is not importable", "Horovod is not importable", "needs NVIDIA Apex")
+# our scripts' one line, after a launcher's prefix
+ERROR = re.compile(r"^(?:.*?[]:>] ?)?error: (.+)$", re.M)
 RESUME = [("reference", []), ("resumed", ["--stop-after", "1"]), ("resumed", ["--resume", "auto"])]
-# On the PYTHONPATH of the resume runs: cuDNN's fastest kernels may add up in another order on every run, and with
-# benchmark=True (every step sets it) each process times and picks its own among the deterministic ones.
-DETERMINISTIC = """import torch  # scripts/gpu_check.py: resume runs
-torch.backends.cudnn.deterministic = True
-type(torch.backends.cudnn).benchmark = property(lambda self: False, lambda self, value: None)  # the steps' = True
-"""
-NEEDED = ("torch", "torchvision", "numpy", "matplotlib", "tqdm")  # what every step imports (requirements.txt's pins)
-# The paths a default run leaves unproven: (label, step, launcher (None: the step's), flags, GPUs it needs at least).
+# On the PYTHONPATH of the resume runs: cuDNN's fastest kernels may add up in another order on every
+# run, and with benchmark=True (every step sets it) each process times and picks its own among the
+# deterministic ones.
+DETERMINISTIC = (
+    "import torch  # scripts/gpu_check.py: resume runs\n"
+    "torch.backends.cudnn.deterministic = True\n"
+    "type(torch.backends.cudnn).benchmark = property(lambda self: False, lambda self, value: None)"
+    "  # the steps' = True\n")
+# what every step imports (requirements.txt's pins)
+NEEDED = ("torch", "torchvision", "numpy", "matplotlib", "tqdm")
+# The paths a default run leaves unproven: (label, step, launcher (None: the step's), flags, GPUs it
+# needs at least).
 PATHS = [
-    ("02 --amp bf16 where emulated", 2, None, ["--amp", "bf16"], 1),  # runs, and says it is emulated
+    # runs, and says it is emulated
+    ("02 --amp bf16 where emulated", 2, None, ["--amp", "bf16"], 1),
     ("04 --amp fp16", 4, None, ["--amp", "fp16"], 1),  # GradScaler
     ("04 --sync-bn", 4, None, ["--sync-bn"], 2),
     ("04 --compile", 4, None, ["--compile"], 1),
     ("04 --grad-accum 2", 4, None, ["--grad-accum", "2"], 1),  # no_sync
     ("04 --spawn N", 4, "python", ["--spawn", "N"], 1),
     ("04 legacy launcher", 4, "legacy", [], 1),
-    ("05 --amp fp16", 5, None, ["--deepspeed_config", "ds_config.json", "--amp", "fp16"], 1),  # DeepSpeed's scaler
-    ("05 --zero-stage 3", 5, None, ["--deepspeed_config", "ds_config.json", "--zero-stage", "3"], 2),  # uneven test
+    # DeepSpeed's scaler
+    ("05 --amp fp16", 5, None, ["--deepspeed_config", "ds_config.json", "--amp", "fp16"], 1),
+    # uneven test
+    ("05 --zero-stage 3", 5, None,
+     ["--deepspeed_config", "ds_config.json", "--zero-stage", "3"], 2),
     ("06 --amp fp16", 6, None, ["--amp", "fp16"], 1),
     ("06 --sync-bn", 6, None, ["--sync-bn"], 2),
     ("06 --fp16-allreduce", 6, None, ["--fp16-allreduce"], 2),
     ("07 --amp fp16", 7, None, ["--amp-backend", "torch", "--amp", "fp16"], 1),
     ("07 --amp-backend apex", 7, None, ["--amp-backend", "apex"], 1),
-    ("07 --amp-backend apex --opt-level O2", 7, None, ["--amp-backend", "apex", "--opt-level", "O2"], 1),
+    ("07 --amp-backend apex --opt-level O2", 7, None,
+     ["--amp-backend", "apex", "--opt-level", "O2"], 1),
     ("07 --amp-backend apex --sync-bn", 7, None, ["--amp-backend", "apex", "--sync-bn"], 2),
     ("08 --amp fp16", 8, None, ["--amp", "fp16"], 1),  # ShardedGradScaler
     ("08 --sync-bn", 8, None, ["--sync-bn"], 2),
 ]
-# Paths whose checkpoints hold what a default run's do not (a loss scale: fp16 and apex.amp; O2's fp32 master
-# weights): the resume check after their run too.
-RESUMED_PATHS = {"04 --amp fp16", "05 --amp fp16", "06 --amp fp16", "07 --amp fp16", "08 --amp fp16",
-                 "07 --amp-backend apex", "07 --amp-backend apex --opt-level O2", "07 --amp-backend apex --sync-bn"}
+# Paths whose checkpoints hold what a default run's do not (a loss scale: fp16 and apex.amp; O2's
+# fp32 master weights): the resume check after their run too.
+RESUMED_PATHS = {"04 --amp fp16", "05 --amp fp16", "06 --amp fp16", "07 --amp fp16",
+                 "08 --amp fp16", "07 --amp-backend apex", "07 --amp-backend apex --opt-level O2",
+                 "07 --amp-backend apex --sync-bn"}
 say = functools.partial(print, flush=True)
 
 
 def plan(steps, gpus):
-    """The timed runs: each step through its launcher as the README starts it, 02 also with --amp fp16 and bf16; then
-    the PATHS of those steps (path=True), each with every GPU (--spawn N: N = the GPUs). resume: a resume check too."""
+    """The timed runs: each step through its launcher as the README starts it, 02 also with
+    --amp fp16 and bf16; then the PATHS of those steps (path=True), each with every GPU (--spawn N:
+    N = the GPUs). resume: a resume check too."""
     timed = [types.SimpleNamespace(
-        step=step, amp=amp, launcher=LAUNCHER[step], nproc=1 if LAUNCHER[step] == "python" else gpus,
-        resume=amp != "bf16",  # the default runs and 02's fp16 run (its GradScaler's state) are resume-checked
+        step=step, amp=amp, launcher=LAUNCHER[step],
+        nproc=1 if LAUNCHER[step] == "python" else gpus,
+        # the default runs and 02's fp16 run (its GradScaler's state) are resume-checked
+        resume=amp != "bf16",
         script=next(REPO.glob(f"{step:02d}_cifar10_*.py")), slug=f"{step:02d}-{amp or 'auto'}",
         label=f"{step:02d}" + (f" --amp {amp}" if amp else ""), path=False, needs=1,
-        args=(["--deepspeed_config", "ds_config.json"] if step == 5 else []) + (["--amp", amp] if amp else []))
+        args=(["--deepspeed_config", "ds_config.json"] if step == 5 else []) + (
+            ["--amp", amp] if amp else []))
         for step in steps for amp in ([None, "fp16", "bf16"] if step == 2 else [None])]
     return timed + [types.SimpleNamespace(
-        step=step, amp=None, launcher=launcher or LAUNCHER[step], script=next(REPO.glob(f"{step:02d}_cifar10_*.py")),
-        nproc=1 if (launcher or LAUNCHER[step]) == "python" and "--spawn" not in flags else gpus, needs=needs,
-        slug=re.sub(r"\W+", "-", label).strip("-"), label=label, path=True, resume=label in RESUMED_PATHS,
-        args=[str(gpus) if flag == "N" else flag for flag in flags]) for label, step, launcher, flags, needs in PATHS
-        if step in steps]
+        step=step, amp=None, launcher=launcher or LAUNCHER[step],
+        script=next(REPO.glob(f"{step:02d}_cifar10_*.py")),
+        nproc=1 if (launcher or LAUNCHER[step]) == "python" and "--spawn" not in flags else gpus,
+        needs=needs, slug=re.sub(r"\W+", "-", label).strip("-"), label=label, path=True,
+        resume=label in RESUMED_PATHS, args=[str(gpus) if flag == "N" else flag for flag in flags])
+        for label, step, launcher, flags, needs in PATHS if step in steps]
 
 
 def command(run, data, out, epochs, flags, *more):
-    """`run` on `data` into `out`; `flags`: those after the check's --; `more`: the resume check's."""
+    """`run` on `data` into `out`; `flags`: those after the check's --; `more`: the resume
+    check's."""
     cmd = launchers.launch_command(run.launcher, run.nproc, run.script)
-    if run.launcher in MODULE and not os.path.exists(cmd[0]):  # e.g. /usr/bin/python3 with /usr/local/bin/torchrun
+    # e.g. /usr/bin/python3 with /usr/local/bin/torchrun
+    if run.launcher in MODULE and not os.path.exists(cmd[0]):
         cmd[:1] = [sys.executable, "-m", MODULE[run.launcher]]
-    return [*cmd, "--data-dir", data, "--out-dir", out, "--epochs", str(epochs), *flags, *run.args, *more]
+    return [*cmd, "--data-dir", data, "--out-dir", out, "--epochs", str(epochs), *flags, *run.args,
+            *more]
 
 
 def shown(cmd):
-    """A command as a reader types it: python, launchers by name, paths relative to the repository."""
-    return shlex.join("python" if w == sys.executable else Path(w).name if Path(w).parent == launchers.BIN
-                      else os.path.relpath(w, REPO) if w.startswith(str(REPO) + os.sep) else w for w in map(str, cmd))
+    """A command as a reader types it: python, launchers by name, paths relative to the
+    repository."""
+    return shlex.join("python" if w == sys.executable
+                      else Path(w).name if Path(w).parent == launchers.BIN
+                      else os.path.relpath(w, REPO) if w.startswith(str(REPO) + os.sep) else w
+                      for w in map(str, cmd))
 
 
 def launch(cmd, log, timeout, env):
-    """(exit status, output) of a command run from the repository root; the output is added to `log`."""
+    """(exit status, output) of a command run from the repository root; the output is added to
+    `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=launchers.env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=launchers.env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
@@ -129,42 +159,54 @@ def launch(cmd, log, timeout, env):
 
 
 def verdict(status, output):
-    """None if the run exited 0, else (outcome, why): "skipped" if a library it needs is not installed, else
-    "failed": a step that stops with its one-line `error: ...` on a GPU fails the check as a traceback does."""
+    """None if the run exited 0, else (outcome, why): "skipped" if a library it needs is not
+    installed, else "failed": a step that stops with its one-line `error: ...` on a GPU fails the
+    check as a traceback does."""
     if status == 0:
         return None
-    why = (ERROR.findall(output) or [ln for ln in output.splitlines() if "Error" in ln][-1:] or [output[-300:]])[0]
-    return "skipped" if any(text in why for text in NOT_INSTALLED) else "failed", f"{why.strip()[:300]} (exit {status})"
+    why = (ERROR.findall(output) or [ln for ln in output.splitlines() if "Error" in ln][-1:]
+           or [output[-300:]])[0]
+    return ("skipped" if any(text in why for text in NOT_INSTALLED) else "failed",
+            f"{why.strip()[:300]} (exit {status})")
 
 
 def skip_reason(run, device, gpus=1):
-    """Why `run` is not started here (None: it is): fp16/bf16 or a path without a GPU, bf16 that the GPU would only
-    emulate (torch's default is_bf16_supported() counts emulation as support) or, for the emulated row, computes
-    natively, a path that needs more GPUs, or a library that is not installed."""
+    """Why `run` is not started here (None: it is): fp16/bf16 or a path without a GPU, bf16 that the
+    GPU would only emulate (torch's default is_bf16_supported() counts emulation as support) or, for
+    the emulated row, computes natively, a path that needs more GPUs, or a library that is not
+    installed."""
     import torch
 
     if (run.amp or run.path) and device.type != "cuda":
         return f"{'--amp ' + run.amp if run.amp else 'this path'} is for a GPU (a CPU rehearsal)"
-    native = "bf16" in (run.amp, *run.args) and torch.cuda.is_bf16_supported(including_emulation=False)
+    native = "bf16" in (run.amp, *run.args) and torch.cuda.is_bf16_supported(
+        including_emulation=False)
     if run.amp == "bf16" and not native:
-        return f"{torch.cuda.get_device_name(device)} has no native bf16 (it would only be emulated)"
+        return (f"{torch.cuda.get_device_name(device)} has no native bf16 "
+                "(it would only be emulated)")
     if run.path and run.step == 2 and native:
-        return f"{torch.cuda.get_device_name(device)} computes bf16 natively (this row is for GPUs without)"
+        return (f"{torch.cuda.get_device_name(device)} computes bf16 natively "
+                "(this row is for GPUs without)")
     if run.needs > gpus:
         return f"needs {run.needs} GPUs (it shows what one cannot), this machine has {gpus}"
     if run.step in LIBRARY and util.find_spec(LIBRARY[run.step][0]) is None:
-        return f"{LIBRARY[run.step][1]} is not installed for {sys.executable} (docs/benchmark-gpu.md says how)"
+        return (f"{LIBRARY[run.step][1]} is not installed for {sys.executable} "
+                "(docs/benchmark-gpu.md says how)")
 
 
 def resume_check(run, c):
-    """"equal", or why not: on the small data, 2 epochs uninterrupted against --stop-after 1 then --resume auto."""
-    # Horovod's fusion packs tensors by arrival: sums over 3+ GPUs in another order each run; none makes them exact.
-    base, env = c.work / "runs" / run.slug, {**c.env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "HOROVOD_FUSION_THRESHOLD":
-                                              "0", "PYTHONPATH": f"{REPO}{os.pathsep}{c.work / 'deterministic'}"}
+    """"equal", or why not: on the small data, 2 epochs uninterrupted against --stop-after 1 then
+    --resume auto."""
+    # Horovod's fusion packs tensors by arrival: sums over 3+ GPUs in another order each run; none
+    # makes them exact.
+    base, env = c.work / "runs" / run.slug, {
+        **c.env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "HOROVOD_FUSION_THRESHOLD": "0",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{c.work / 'deterministic'}"}
     digests = lambda out: {p.name: p.read_text() for p in (base / out).glob("weights-rank*.sha256")}  # noqa: E731
 
     def go(out, *more):
-        status, output = launch(command(run, c.small, base / out, 2, c.flags, *more), base / "log.txt", c.timeout, env)
+        status, output = launch(command(run, c.small, base / out, 2, c.flags, *more),
+                                base / "log.txt", c.timeout, env)
         return output, status and f"{' '.join([out, *more])} failed: {verdict(status, output)[1]}"
 
     for out, more in RESUME:
@@ -174,17 +216,21 @@ def resume_check(run, c):
     if not re.search(r"resumed from epoch 1\b", output):
         return "--resume auto did not say `resumed from epoch 1`"
     reference, resumed, ranks = digests("reference"), digests("resumed"), run.nproc
-    if set(reference) != set(resumed) or set(reference) != {f"weights-rank{r}.sha256" for r in range(ranks)}:
-        return f"expected weights-rank0..{ranks - 1}.sha256, found {sorted(reference)} and {sorted(resumed)}"
+    if (set(reference) != set(resumed)
+            or set(reference) != {f"weights-rank{r}.sha256" for r in range(ranks)}):
+        return (f"expected weights-rank0..{ranks - 1}.sha256, found {sorted(reference)} and "
+                f"{sorted(resumed)}")
     if len(set(reference.values())) > 1 or len(set(resumed.values())) > 1:
         return "differs: the ranks ended with different weights"
-    return "equal" if reference == resumed else "differs: other weights than the uninterrupted run's (kernels were " \
-        "deterministic: a resume that is not exact, or a kernel that is not deterministic still)"
+    return "equal" if reference == resumed else (
+        "differs: other weights than the uninterrupted run's (kernels were deterministic: a resume "
+        "that is not exact, or a kernel that is not deterministic still)")
 
 
 def compute_rate(flags, data, device):
-    """Images/s of step 02's own train_one_epoch (forward, backward, optimizer step) on batches already on the
-    device, with the run's flags and threads: its loop's rate if data cost nothing. Best of 2 after a warm-up."""
+    """Images/s of step 02's own train_one_epoch (forward, backward, optimizer step) on batches
+    already on the device, with the run's flags and threads: its loop's rate if data cost nothing.
+    Best of 2 after a warm-up."""
     import torch
 
     from common import metrics
@@ -194,11 +240,13 @@ def compute_rate(flags, data, device):
     train_set, test_set, info = step["build_data"](args)
     loader = step["build_loaders"](args, train_set, test_set)[0]
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    batches = [(x.to(device, memory_format=memory_format), y.to(device)) for x, y in itertools.islice(loader, 4)]
+    batches = [(x.to(device, memory_format=memory_format), y.to(device))
+               for x, y in itertools.islice(loader, 4)]
     batches = (batches * 25)[:min(100, len(loader))]
     torch.backends.cudnn.benchmark = True  # as 02 does on a GPU
-    dtype, model = step["amp_dtype"](args.amp, device), step["prepare_model"](args, step["build_model"](
-        args, info), device)  # 02's own precision and model
+    # 02's own precision and model
+    dtype, model = step["amp_dtype"](args.amp, device), step["prepare_model"](
+        args, step["build_model"](args, info), device)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, len(batches), device, dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(int(launchers.env()["OMP_NUM_THREADS"]))  # as a run has
@@ -206,22 +254,46 @@ def compute_rate(flags, data, device):
     def rate():  # one epoch of 02's loop over the batches on the device, no stop
         meter = metrics.Meter(args, len(batches) // args.grad_accum)
         meter.start(None, 0)
-        return step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, device, dtype,
-                                       types.SimpleNamespace(requested=lambda steps: False), meter)["images_per_sec"]
+        return step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, device,
+                                       dtype, types.SimpleNamespace(requested=lambda steps: False),
+                                       meter)["images_per_sec"]
 
     rates = [rate() for _ in range(3)]
     torch.set_num_threads(threads)
     return max(rates[1:])  # the first pays cuDNN's algorithm search and the allocator
 
 
+def run_problem(run, status, output, rows, epochs, digests):
+    """(outcome, why) of a run that did not end as it must, else None: its exit status and epochs
+    and, for a path, equal weights on every rank, finite losses, and 02's emulated bf16 said so."""
+    bad = verdict(status, output)
+    if bad:
+        return bad
+    if [r["epoch"] for r in rows] != list(range(1, epochs + 1)):
+        return "failed", "exit 0, but metrics.jsonl lacks epochs"
+    if not run.path:
+        return None
+    ranks = {f"weights-rank{r}.sha256" for r in range(run.nproc)}
+    if set(digests) != ranks or len(set(digests.values())) > 1:
+        return "failed", f"not every rank ended with the same weights: {sorted(digests)}"
+    if not all(math.isfinite(r[key]) for r in rows for key in ("train_loss", "test_loss")):
+        return "failed", "a loss is not finite"
+    if run.step == 2 and "emulated" not in output:
+        return "failed", "--amp bf16 did not say it is emulated"
+    return None
+
+
 def check(run, c):
-    """The row of one run: the timed run, its measurements; a path's run (2 epochs on the small data: a few steps on
-    many GPUs, so no accuracy is asked) must log finite losses and end with equal weights on every rank. Then, where
-    run.resume (the default runs, 02 --amp fp16, RESUMED_PATHS), the resume check."""
+    """The row of one run: the timed run, its measurements; a path's run (2 epochs on the small
+    data: a few steps on many GPUs, so no accuracy is asked) must log finite losses and end with
+    equal weights on every rank. Then, where run.resume (the default runs, 02 --amp fp16,
+    RESUMED_PATHS), the resume check."""
     from common import metrics
 
-    base, out, epochs = c.work / "runs" / run.slug, "run" if run.path else "timed", 2 if run.path else c.epochs
-    row = {"run": run.label, "outcome": "skipped", "why": skip_reason(run, c.device, c.gpus), "resume": None}
+    base, out, epochs = (c.work / "runs" / run.slug, "run" if run.path else "timed",
+                         2 if run.path else c.epochs)
+    row = {"run": run.label, "outcome": "skipped", "why": skip_reason(run, c.device, c.gpus),
+           "resume": None}
     if row["why"]:
         say(f"== {run.label}: skipped: {row['why']}")
         return row
@@ -231,25 +303,21 @@ def check(run, c):
     status, output = launch(cmd, base / "log.txt", c.timeout, c.env)
     rows = metrics.read(base / out / metrics.FILE)
     digests = {path.name: path.read_text() for path in (base / out).glob("weights-rank*.sha256")}
-    bad = verdict(status, output) or ([r["epoch"] for r in rows] != list(range(1, epochs + 1))
-                                      and ("failed", "exit 0, but metrics.jsonl lacks epochs")) or run.path and (
-        (set(digests) != {f"weights-rank{r}.sha256" for r in range(run.nproc)} or len(set(digests.values())) > 1)
-        and ("failed", f"not every rank ended with the same weights: {sorted(digests)}")
-        or not all(math.isfinite(r[key]) for r in rows for key in ("train_loss", "test_loss"))
-        and ("failed", "a loss is not finite")
-        or run.step == 2 and "emulated" not in output and ("failed", "--amp bf16 did not say it is emulated"))
+    bad = run_problem(run, status, output, rows, epochs, digests)
     if bad or run.path:
         row.update(outcome=bad[0] if bad else "ok", why=bad[1] if bad else None,
-                   test_acc=rows[-1]["test_acc"] if rows else None, resume=None if bad or not run.resume
-                   else resume_check(run, c))
+                   test_acc=rows[-1]["test_acc"] if rows else None,
+                   resume=None if bad or not run.resume else resume_check(run, c))
         return row
     timed = rows[1:] or rows  # epoch 1 pays the start: workers, cuDNN's algorithm search
     amp = re.search(r"\bamp (\w+(?: \([^)]*\))?), .*steps/epoch", output)
     row.update(outcome="ok", why=None, precision=amp and amp[1], test_acc=rows[-1]["test_acc"],
-               images_per_sec=sum(r["images"] for r in timed) / sum(r["epoch_seconds"] for r in timed),
+               images_per_sec=sum(r["images"] for r in timed)
+               / sum(r["epoch_seconds"] for r in timed),
                peak_memory_mb=max(r["peak_memory_mb"] for r in rows))
     if row["test_acc"] < c.min_acc:
-        row.update(outcome="failed", why=f"did not learn: test accuracy {row['test_acc']:.3f} < --min-acc {c.min_acc}")
+        row.update(outcome="failed", why=f"did not learn: test accuracy {row['test_acc']:.3f} "
+                                         f"< --min-acc {c.min_acc}")
     if run.step == 2:
         try:
             row["compute_images_per_sec"] = compute_rate([*c.flags, *run.args], c.data, c.device)
@@ -262,7 +330,8 @@ def check(run, c):
 
 
 def failures(rows):
-    """'run: why' of every failed row; a resume that is not exact fails its row (so the counts say so too)."""
+    """'run: why' of every failed row; a resume that is not exact fails its row (so the counts say
+    so too)."""
     for r in rows:
         if r["resume"] not in (None, "equal"):
             before = [r["why"]] if r["outcome"] == "failed" else []
@@ -271,30 +340,36 @@ def failures(rows):
 
 
 def table(rows):
-    formats = {"test_acc": ".3f", "images_per_sec": ",.0f", "compute_images_per_sec": ",.0f", "loop_vs_compute": ".0%",
-               "peak_memory_mb": ",.0f"}
-    lines = ["| run | outcome | precision | test acc | img/s | pure compute img/s | loop/compute | peak MB | resume |",
+    formats = {"test_acc": ".3f", "images_per_sec": ",.0f", "compute_images_per_sec": ",.0f",
+               "loop_vs_compute": ".0%", "peak_memory_mb": ",.0f"}
+    lines = ["| run | outcome | precision | test acc | img/s | pure compute img/s | loop/compute "
+             "| peak MB | resume |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [r["run"], r["outcome"] + (f": {r['why']}" if r["why"] else ""), r.get("precision"),
-                 *(None if r.get(key) is None else format(r[key], spec) for key, spec in formats.items()), r["resume"]]
+                 *(None if r.get(key) is None else format(r[key], spec)
+                   for key, spec in formats.items()), r["resume"]]
         lines.append("| " + " | ".join((cell or "").replace("|", "/") for cell in cells) + " |")
     return lines
 
 
-def stop(why, fix="it needs an NVIDIA GPU and a CUDA build of torch; PYTHON=/path/to/python picks another Python"):
+def stop(why, fix="it needs an NVIDIA GPU and a CUDA build of torch; PYTHON=/path/to/python "
+                  "picks another Python"):
     print(f"gpu_check: {why}; nothing was run ({fix})", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
 def check_packages():
-    """One line and exit 2 when this Python lacks what every step imports, with the command that installs it."""
+    """One line and exit 2 when this Python lacks what every step imports, with the command that
+    installs it."""
     missing = [name for name in NEEDED if util.find_spec(name) is None]
     pins = dict(re.findall(r"^([\w.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
-    install = shlex.join([sys.executable, "-m", "pip", "install", *(f"{name}=={pins[name]}" for name in missing)])
+    install = shlex.join([sys.executable, "-m", "pip", "install",
+                          *(f"{name}=={pins[name]}" for name in missing)])
     if missing:
         stop(f"{', '.join(missing)} not installed in {sys.executable}, and every step imports "
-             + ("it" if len(missing) == 1 else "them"), f"fix: {install}; without a registry: docs/benchmark-gpu.md")
+             + ("it" if len(missing) == 1 else "them"),
+             f"fix: {install}; without a registry: docs/benchmark-gpu.md")
 
 
 def find_device(args):
@@ -303,29 +378,45 @@ def find_device(args):
 
     if not (torch.cuda.is_available() or args.rehearse_on_cpu):
         stop(f"no CUDA GPU: torch {torch.__version__} in {sys.executable} "
-             + ("is a CPU build" if torch.version.cuda is None else f"(CUDA {torch.version.cuda}) sees none"))
+             + ("is a CPU build" if torch.version.cuda is None
+                else f"(CUDA {torch.version.cuda}) sees none"))
     device = torch.device("cpu") if args.rehearse_on_cpu else torch.device("cuda", 0)
     count = torch.cuda.device_count() if device.type == "cuda" else 0
-    found = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "deepspeed", "horovod") if util.find_spec(n))
-    where = f"{count} x {torch.cuda.get_device_name(device)}" if count else "CPU (rehearsal: not GPU figures)"
+    found = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "deepspeed", "horovod")
+                      if util.find_spec(n))
+    where = (f"{count} x {torch.cuda.get_device_name(device)}" if count
+             else "CPU (rehearsal: not GPU figures)")
     return device, args.gpus or count or 1, f"{where}; {found}, CUDA {torch.version.cuda}"
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="bash scripts/gpu_check.sh", usage="%(prog)s [options] [-- run flags]",
+    parser = argparse.ArgumentParser(prog="bash scripts/gpu_check.sh",
+                                     usage="%(prog)s [options] [-- run flags]",
                                      description=__doc__.split("\n\n")[2].replace("\n", " "))
-    parser.add_argument("--steps", default="02,03,04,05,06,07,08", help="e.g. 02,04 (default: 02 to 08)",
-                        type=lambda text: sorted({int(s) for s in text.split(",")}) if re.fullmatch(
-                            r"0?[2-8](,0?[2-8])*", text) else parser.error(f"--steps: 02 to 08 like 02,04, not {text}"))
-    parser.add_argument("--gpus", type=int, help="processes of 04-08 (default: every GPU; 1 without one)")
-    parser.add_argument("--epochs", type=int, default=3, help="of a timed run (default 3; img/s: 2..E)")
-    parser.add_argument("--train-size", type=int, default=50000, help="(default 50000; resume, paths: <= 5000)")
-    parser.add_argument("--test-size", type=int, default=10000, help="(default 10000; resume, paths: <= 1025)")
-    parser.add_argument("--min-acc", type=float, default=0.3, help="learned: last test accuracy (default 0.3)")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run (default 1800)")
-    parser.add_argument("--work-dir", type=Path, default=REPO / "bench" / "gpu-check", help="(default bench/gpu-check)")
-    parser.add_argument("--dry-run", action="store_true", help="print every command it would start; needs no GPU")
-    parser.add_argument("--rehearse-on-cpu", action="store_true", help="all on the CPU (report: WORK/benchmark-gpu.md)")
+    parser.add_argument("--steps", default="02,03,04,05,06,07,08",
+                        help="e.g. 02,04 (default: 02 to 08)",
+                        type=lambda text: (
+                            sorted({int(s) for s in text.split(",")})
+                            if re.fullmatch(r"0?[2-8](,0?[2-8])*", text)
+                            else parser.error(f"--steps: 02 to 08 like 02,04, not {text}")))
+    parser.add_argument("--gpus", type=int,
+                        help="processes of 04-08 (default: every GPU; 1 without one)")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="of a timed run (default 3; img/s: 2..E)")
+    parser.add_argument("--train-size", type=int, default=50000,
+                        help="(default 50000; resume, paths: <= 5000)")
+    parser.add_argument("--test-size", type=int, default=10000,
+                        help="(default 10000; resume, paths: <= 1025)")
+    parser.add_argument("--min-acc", type=float, default=0.3,
+                        help="learned: last test accuracy (default 0.3)")
+    parser.add_argument("--timeout", type=int, default=1800,
+                        help="seconds per run (default 1800)")
+    parser.add_argument("--work-dir", type=Path, default=REPO / "bench" / "gpu-check",
+                        help="(default bench/gpu-check)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print every command it would start; needs no GPU")
+    parser.add_argument("--rehearse-on-cpu", action="store_true",
+                        help="all on the CPU (report: WORK/benchmark-gpu.md)")
     return parser.parse_args(argv)
 
 
@@ -336,8 +427,9 @@ def main(argv=None):
     work = args.work_dir.resolve()
     check_packages()
     if args.dry_run:
-        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default run and 02 --amp "
-            "fp16, its resume check; then each path (and the resume check of those whose checkpoints hold more)")
+        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default "
+            "run and 02 --amp fp16, its resume check; then each path (and the resume check of "
+            "those whose checkpoints hold more)")
         for run in plan(args.steps, args.gpus or 1):
             base, out = work / "runs" / run.slug, "run" if run.path else "timed"
             timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
@@ -345,15 +437,19 @@ def main(argv=None):
             needs = f"  (needs {run.needs} GPUs)" if run.needs > (args.gpus or 1) else ""
             say(f"{run.label}:\n  {shown(timed)}{needs}")
             for out, more in RESUME if run.resume else []:
-                say(f"  {shown(command(run, work / 'data' / 'resume', base / out, 2, flags, *more))}")
+                resume = command(run, work / "data" / "resume", base / out, 2, flags, *more)
+                say(f"  {shown(resume)}")
         return 0
     device, gpus, name = find_device(args)
     from synthetic import write_synthetic_cifar10
 
-    hide = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"} if args.rehearse_on_cpu else {}  # all on the CPU
-    c = types.SimpleNamespace(**{**vars(args), "gpus": gpus}, work=work, device=device, flags=flags, env=hide,
-                              data=work / "data" / "timed", small=work / "data" / "resume")
-    small = (min(args.train_size, 5000), min(args.test_size, 1025))  # 1,025: 513 and 512 test images on 2 GPUs
+    # all on the CPU
+    hide = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"} if args.rehearse_on_cpu else {}
+    c = types.SimpleNamespace(**{**vars(args), "gpus": gpus}, work=work, device=device,
+                              flags=flags, env=hide, data=work / "data" / "timed",
+                              small=work / "data" / "resume")
+    # 1,025: 513 and 512 test images on 2 GPUs
+    small = (min(args.train_size, 5000), min(args.test_size, 1025))
     say(f"gpu_check: {name}")
     write_synthetic_cifar10(str(c.data), args.train_size, args.test_size, kind="easy")
     write_synthetic_cifar10(str(c.small), *small, kind="easy")
@@ -361,19 +457,23 @@ def main(argv=None):
     (work / "deterministic" / "sitecustomize.py").write_text(DETERMINISTIC)
     rows = [check(run, c) for run in plan(args.steps, gpus)]
     failed = failures(rows)
-    counts = {outcome: sum(r["outcome"] == outcome for r in rows) for outcome in ("ok", "failed", "skipped")}
-    results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed, "runs": rows,
-               "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",
+    counts = {outcome: sum(r["outcome"] == outcome for r in rows)
+              for outcome in ("ok", "failed", "skipped")}
+    results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed,
+               "runs": rows, "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",
                "command": shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
-               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, {args.epochs} "
-                       f"epochs (img/s of 2..{args.epochs}); resume check and paths {small[0]} / {small[1]}, 2 epochs"}
+               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, "
+                       f"{args.epochs} epochs (img/s of 2..{args.epochs}); resume check and paths "
+                       f"{small[0]} / {small[1]}, 2 epochs"}
     (work / "results.json").write_text(json.dumps(results, indent=2))
     doc = work / DOC.name if args.rehearse_on_cpu else DOC
-    summary = f"**{results['verdict']}** ({', '.join(f'{n} {k}' for k, n in counts.items())}; {results['date']})"
+    summary = (f"**{results['verdict']}** ({', '.join(f'{n} {k}' for k, n in counts.items())}; "
+               f"{results['date']})")
     doc.write_text(DOC.read_text().split(RESULTS)[0] + "\n".join([
         RESULTS, "", summary, "", f"- Device: {name}", f"- Command: `{results['command']}`",
         f"- Data: {results['data']}", "", *table(rows)]) + "\n")
-    say("\n".join(table(rows)) + f"\nwrote {work / 'results.json'} and {doc}\ngpu_check: {summary.replace('**', '')}")
+    say("\n".join(table(rows)) + f"\nwrote {work / 'results.json'} and {doc}\n"
+        f"gpu_check: {summary.replace('**', '')}")
     return 1 if failed else 0
 
 

@@ -1,19 +1,23 @@
-"""Runs a step with a fault injected from outside, for the recipes of docs/debugging.md; the step itself is unchanged.
+"""Runs a step (unchanged) with a fault injected from outside, for the recipes of docs/debugging.md.
 
-    torchrun --nproc_per_node=2 scripts/inject_fault.py FAULT 04_cifar10_ddp.py [the step's arguments]
+    torchrun --nproc_per_node=2 scripts/inject_fault.py FAULT 04_cifar10_ddp.py [its arguments]
 
 FAULT, on rank 1 unless said otherwise (rank N: FAULT_RANK=N):
   slow-rank         sleeps SLOW seconds (default 0.25) before each of its optimizer steps
-  slow-data         every rank's data set takes SLOW seconds (default 0.01) per image (also in DataLoader workers
-                    started by fork, Linux's default; not in spawned ones)
+  slow-data         every rank's data set takes SLOW seconds (default 0.01) per image (also in
+                    DataLoader workers started by fork, Linux's default; not in spawned ones)
   stuck-rank        stops for good before its 5th optimizer step
-  extra-collective  makes an all-reduce of its own before its 5th optimizer step, which no other rank makes
+  extra-collective  makes an all-reduce of its own before its 5th optimizer step, which no other
+                    rank makes
   exception         raises an exception (a bug) in its 2nd optimizer step
-  barrier           every rank meets the others in torch.distributed.monitored_barrier (timeout BARRIER_TIMEOUT
-                    seconds, default 10) before each optimizer step, and rank 1 stops for good before its 5th
-Every fault: SIGUSR2 makes each rank write its flight recorder (TORCH_FR_BUFFER_SIZE=N must be set) to
-$FR_DIR/rankR, with the process groups' ranks added, which torch 2.13's gloo leaves out and torchfrtrace needs.
-The faults patch torch.optim.SGD.step (the optimizer of steps 04, 06, 07, 08) and common.data.CIFAR10Tensors.
+  barrier           every rank meets the others in torch.distributed.monitored_barrier (timeout
+                    BARRIER_TIMEOUT seconds, default 10) before each optimizer step, and rank 1
+                    stops for good before its 5th
+Every fault: SIGUSR2 makes each rank write its flight recorder (TORCH_FR_BUFFER_SIZE=N must be set)
+to $FR_DIR/rankR, with the process groups' ranks added, which torch 2.13's gloo leaves out and
+torchfrtrace needs.
+The faults patch torch.optim.SGD.step (the optimizer of steps 04, 06, 07, 08) and
+common.data.CIFAR10Tensors.
 """
 import datetime
 import os
@@ -33,20 +37,22 @@ FAULTY = RANK == os.environ.get("FAULT_RANK", "1")
 
 
 def dump_flight_recorder():
-    """On each SIGUSR2 (any time, even while the training loop's thread waits in a collective): the flight recorder's
-    entries to $FR_DIR/rankR, in the format torchfrtrace reads."""
+    """On each SIGUSR2 (any time, even while the training loop's thread waits in a collective): the
+    flight recorder's entries to $FR_DIR/rankR, in the format torchfrtrace reads."""
     while True:
         signal.sigwait({signal.SIGUSR2})
         trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
         groups = dist.distributed_c10d._world.pg_map
         trace["pg_config"] = {group.group_name: {"name": group.group_name, "desc": group.group_desc,
-                                                 "ranks": str(dist.get_process_group_ranks(group))} for group in groups}
+                                                 "ranks": str(dist.get_process_group_ranks(group))}
+                              for group in groups}
         os.makedirs(os.environ.get("FR_DIR", "."), exist_ok=True)
         path = os.path.join(os.environ.get("FR_DIR", "."), f"rank{dist.get_rank()}")
         with open(path + ".tmp", "wb") as f:
             pickle.dump(trace, f)
         os.replace(path + ".tmp", path)
-        print(f"rank {dist.get_rank()}: flight recorder written to {path}\n", end="", flush=True)  # one write per line
+        # One write per line.
+        print(f"rank {dist.get_rank()}: flight recorder written to {path}\n", end="", flush=True)
 
 
 def patch_optimizer_step(fault):
@@ -57,15 +63,16 @@ def patch_optimizer_step(fault):
         if fault == "slow-rank" and FAULTY:
             time.sleep(float(os.environ.get("SLOW", "0.25")))
         if fault in ("stuck-rank", "barrier") and FAULTY and count[0] == 5:
-            print(f"rank {RANK}: stuck before optimizer step 5 (scripts/inject_fault.py)", flush=True)
+            print(f"rank {RANK}: stuck before optimizer step 5 (scripts/inject_fault.py)",
+                  flush=True)
             time.sleep(24 * 3600)
         if fault == "extra-collective" and FAULTY and count[0] == 5:
             dist.all_reduce(torch.zeros(1))
         if fault == "exception" and FAULTY and count[0] == 2:
             raise ValueError("a bug in the optimizer step (scripts/inject_fault.py)")
         if fault == "barrier":
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=float(os.environ.get("BARRIER_TIMEOUT", "10"))),
-                                   wait_all_ranks=True)
+            seconds = float(os.environ.get("BARRIER_TIMEOUT", "10"))
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
         return step(self, *args, **kwargs)
 
     torch.optim.SGD.step = faulty_step
@@ -86,9 +93,11 @@ def patch_data():
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FAULTS:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(FAULTS)}}} STEP.py [arguments]")
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # every thread from now on leaves it to the dumper
+    # Every thread from now on leaves it to the dumper.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     threading.Thread(target=dump_flight_recorder, daemon=True, name="flight-recorder").start()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: common/
+    # The repository, for common/.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     patch_data() if sys.argv[1] == "slow-data" else patch_optimizer_step(sys.argv[1])
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

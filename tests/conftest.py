@@ -5,15 +5,16 @@ import signal
 
 import pytest
 
-from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, SMOKE, TEST_SIZE, TRAIN_SIZE, metrics,
-                     once, readme_command, shell, synthetic)
+from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, SMOKE, TEST_SIZE,
+                     TRAIN_SIZE, metrics, once, readme_command, shell, synthetic)
 
 
 @pytest.fixture(scope="session")
 def cifar_dir(tmp_path_factory):
     """A synthetic CIFAR-10 in the real format, written by the documented command's code."""
     return once(tmp_path_factory, "synthetic",
-                lambda folder: synthetic(folder, "--easy", "--train-size", TRAIN_SIZE, "--test-size", TEST_SIZE))
+                lambda folder: synthetic(folder, "--easy", "--train-size", TRAIN_SIZE,
+                                         "--test-size", TEST_SIZE))
 
 
 @pytest.fixture(scope="session")
@@ -25,32 +26,36 @@ def data(cifar_dir):
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
-    """320 training and 61 test images: a quarter of `data`, for bf16 runs that must learn a little (the CPU emulates
-    bf16, about 5 times slower than fp32 here): the small cnn at batch 8 falls below chance's loss in one epoch."""
+    """320 training and 61 test images: a quarter of `data`, for bf16 runs that must learn a little
+    (the CPU emulates bf16, about 5 times slower than fp32 here): the small cnn at batch 8 falls
+    below chance's loss in one epoch."""
     def make(folder):
-        return ["--data-dir", synthetic(folder, "--easy", "--train-size", "320", "--test-size", "61"), *SMOKE]
+        return ["--data-dir",
+                synthetic(folder, "--easy", "--train-size", "320", "--test-size", "61"), *SMOKE]
     return once(tmp_path_factory, "small", make)
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """8 training and 8 test images, for runs that need a few optimizer steps, not learning: bf16 ones above all,
-    which this CPU emulates (ResNet-18: about 1 image/s)."""
+    """8 training and 8 test images, for runs that need a few optimizer steps, not learning: bf16
+    ones above all, which this CPU emulates (ResNet-18: about 1 image/s)."""
     def make(folder):
         return ["--data-dir", synthetic(folder, "--easy", "--train-size", "8", "--test-size", "8")]
     return once(tmp_path_factory, "tiny", make)
 
 
-# Uninterrupted runs that several test files read, each started by its step's command in the README (with flags
-# appended), so that tests/test_readme.py holds the README's commands to them (02's and 03's: their learning-curve
-# runs below). 04 and 08 also trace 3 optimizer steps (tests/test_profile.py); that the trace leaves the training
-# alone, 04's restart test holds (its bits, untraced).
+# Uninterrupted runs that several test files read, each started by its step's command in the README
+# (with flags appended), so that tests/test_readme.py holds the README's commands to them (02's and
+# 03's: their learning-curve runs below). 04 and 08 also trace 3 optimizer steps
+# (tests/test_profile.py); that the trace leaves the training alone, 04's restart test holds (its
+# bits, untraced).
 PROFILE = ["--profile", "3"]
 @pytest.fixture(scope="session")
 def run01(tmp_path_factory, data):
     """Step 01, 2 epochs, batch 64, fp32: the reference for resume and for DDP with 2 x 32."""
     def make(out):
-        shell(readme_command(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off", "--out-dir", out)
+        shell(readme_command(1), *data, *EPOCHS, "--batch-size", "64", "--amp", "off",
+              "--out-dir", out)
         return out
     return once(tmp_path_factory, "run01", make)
 
@@ -70,8 +75,10 @@ def run04(tmp_path_factory, data):
 
 @pytest.fixture(scope="session")
 def run06(tmp_path_factory, cifar_dir):
-    """Step 06 under horovodrun (the classic command), 2 processes x 16 images x 2 accumulated passes, fp32."""
-    return two_processes(tmp_path_factory, "run06", 6, "--data-dir", cifar_dir, *SMOKE, *HOROVOD_ARGS)
+    """Step 06 under horovodrun (the classic command), 2 processes x 16 images x 2 accumulated
+    passes, fp32."""
+    return two_processes(tmp_path_factory, "run06", 6, "--data-dir", cifar_dir, *SMOKE,
+                         *HOROVOD_ARGS)
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +87,10 @@ def run08(tmp_path_factory, data):
     return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS, *PROFILE)
 
 
-# The learning-curve runs (tests/test_learning_curves.py): every step's README command with one recipe, on data that
-# needs learning. They are also what tests/test_steps_01_04.py reads of 02 and 03, and the README runs of 02, 03, 07
-# (and of 05 where the learning-curve test of 05 runs too: tests/test_readme.py).
+# The learning-curve runs (tests/test_learning_curves.py): every step's README command with one
+# recipe, on data that needs learning. They are also what tests/test_steps_01_04.py reads of 02 and
+# 03, and the README runs of 02, 03, 07 (and of 05 where the learning-curve test of 05 runs too:
+# tests/test_readme.py).
 @pytest.fixture(scope="session")
 def textures(tmp_path_factory):
     return once(tmp_path_factory, "textures",
@@ -91,11 +99,11 @@ def textures(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def curves(textures, tmp_path_factory):
-    """curves(step) -> (its out-dir, its test accuracy (%) per epoch, its output): the step's README command with the
-    recipe, made when a test first asks for it."""
+    """curves(step) -> (its out-dir, its test accuracy (%) per epoch, its output): the step's README
+    command with the recipe, made when a test first asks for it."""
     def make(step, out):
-        proc = shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE, *CURVE_STEPS[step], "--out-dir", out,
-                     DS_ACCELERATOR="cpu")
+        proc = shell(readme_command(step), "--data-dir", textures, *CURVE_RECIPE,
+                     *CURVE_STEPS[step], "--out-dir", out, DS_ACCELERATOR="cpu")
         accuracy = [round(100 * row["test_acc"], 1) for row in metrics(out)]
         # the docs' table: pytest -s -n 0 tests/test_learning_curves.py
         print(f"step {step:02d}: test accuracy per epoch {accuracy}")
@@ -105,8 +113,9 @@ def curves(textures, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def default_stop_signals():
-    """A test that runs a step's main() in this process leaves SIGTERM/SIGUSR1 caught and blocked (common/preempt.py),
-    which every process started later would inherit: undo it after each test."""
+    """A test that runs a step's main() in this process leaves SIGTERM/SIGUSR1 caught and blocked
+    (common/preempt.py), which every process started later would inherit: undo it after each
+    test."""
     yield
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGUSR1))
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -114,12 +123,13 @@ def default_stop_signals():
 
 
 
-# The quick tier, for the edit-test loop (`pytest -m "not slow"`, README): the tests that run in this process or start
-# a short process, and one launch of every step through its README command (tests/test_readme.py). Every other test
-# that trains through a launcher, or waits on one, is marked slow here: whole files, then single tests.
-SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp", "test_debugging",
-              "test_default_model", "test_fault_tolerance", "test_learning_curves", "test_profile", "test_slurm",
-              "test_steps_01_04"}
+# The quick tier, for the edit-test loop (`pytest -m "not slow"`, README): the tests that run in
+# this process or start a short process, and one launch of every step through its README command
+# (tests/test_readme.py). Every other test that trains through a launcher, or waits on one, is
+# marked slow here: whole files, then single tests.
+SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp",
+              "test_debugging", "test_default_model", "test_fault_tolerance",
+              "test_learning_curves", "test_profile", "test_slurm", "test_steps_01_04"}
 SLOW_TESTS = {
     "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
     "test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress",
@@ -141,20 +151,24 @@ SLOW_TESTS = {
 }
 
 
-# The files, heaviest first: seconds of a run in 2 pytest-xdist workers on the 2-core machine (pytest --durations=0,
-# summed per file, tests/test_*.py; 2026-11-26, native bf16, less the launches taken out since). pytest.ini's
-# `--dist loadfile` gives each worker whole files, the next one in this order as soon as it is near the end of its
-# queue: heaviest first, so that the run does not end with one worker running a slow file alone while the other
-# idles. A file missing here would come last.
-WEIGHT = {"test_default_model": 134, "test_learning_curves": 120, "test_preemption": 120, "test_05_deepspeed": 116,
-          "test_debugging": 104, "test_bad_input": 89, "test_slurm": 73, "test_exit": 70, "test_steps_01_04": 59,
-          "test_fault_tolerance": 48, "test_07_apex": 44, "test_08_fsdp": 41, "test_benchmark": 40, "test_template": 32,
-          "test_gpu_check": 29, "test_06_horovod": 26, "test_data": 15, "test_readme": 15, "test_checkpoint": 7,
-          "test_gpu_paths": 5, "test_steps_in_line": 1, "test_profile": 1, "test_distributed_sampler": 1}
+# The files, heaviest first: seconds of a run in 2 pytest-xdist workers on the 2-core machine
+# (pytest --durations=0, summed per file, tests/test_*.py; 2026-11-26, native bf16, less the
+# launches taken out since). pytest.ini's `--dist loadfile` gives each worker whole files, the next
+# one in this order as soon as it is near the end of its queue: heaviest first, so that the run does
+# not end with one worker running a slow file alone while the other idles. A file missing here would
+# come last.
+WEIGHT = {"test_default_model": 134, "test_learning_curves": 120, "test_preemption": 120,
+          "test_05_deepspeed": 116, "test_debugging": 104, "test_bad_input": 89, "test_slurm": 73,
+          "test_exit": 70, "test_steps_01_04": 59, "test_fault_tolerance": 48, "test_07_apex": 44,
+          "test_08_fsdp": 41, "test_benchmark": 40, "test_template": 32, "test_gpu_check": 29,
+          "test_06_horovod": 26, "test_data": 15, "test_readme": 15, "test_checkpoint": 7,
+          "test_gpu_paths": 5, "test_steps_in_line": 1, "test_profile": 1,
+          "test_distributed_sampler": 1}
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: -WEIGHT.get(item.path.stem, 0))  # stable: each file's own order stays
+    # stable: each file's own order stays
+    items.sort(key=lambda item: -WEIGHT.get(item.path.stem, 0))
     for item in items:
         if item.path.stem in SLOW_FILES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
@@ -162,11 +176,12 @@ def pytest_collection_modifyitems(items):
 
 
 def skip_horovod_tests_without_horovod(items):
-    """Without Horovod (scripts/setup.sh finishes without it where it cannot be built) the tests of step 06 skip, with
-    the way to build it; CI builds it (REQUIRE_HOROVOD=1), so there they run."""
+    """Without Horovod (scripts/setup.sh finishes without it where it cannot be built) the tests of
+    step 06 skip, with the way to build it; CI builds it (REQUIRE_HOROVOD=1), so there they run."""
     if importlib.util.find_spec("horovod") is not None:
         return
-    skip = pytest.mark.skip(reason="Horovod is not built: PYTHON=.venv/bin/python bash scripts/install_horovod.sh")
+    skip = pytest.mark.skip(reason="Horovod is not built: "
+                                   "PYTHON=.venv/bin/python bash scripts/install_horovod.sh")
     for item in items:
         if re.search(r"horovod|\b06\b|\[6\]|06_|run06", item.nodeid):
             item.add_marker(skip)

@@ -27,19 +27,26 @@ TRAIN_SIZE, TEST_SIZE = 1280, 301
 # The small model, no loader workers (2 cores), a fixed seed: what most test runs share.
 SMOKE = ["--arch", "cnn", "--workers", "0", "--seed", "0"]
 CHANCE = 0.10
-EXIT_GRACE = 15  # seconds a finished or stopped run may take from its last line to its exit (tests/test_exit.py)
+# seconds a finished or stopped run may take from its last line to its exit (tests/test_exit.py)
+EXIT_GRACE = 15
 EPOCHS = ["--epochs", "2"]
-DDP_ARGS = ["--batch-size", "32", "--amp", "off"]  # 2 processes x 32 in fp32: comparable with 1 x 64
-HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]  # 2 x 16 x 2 = 64 per step
+# 2 processes x 32 in fp32: comparable with 1 x 64
+DDP_ARGS = ["--batch-size", "32", "--amp", "off"]
+# 2 x 16 x 2 = 64 per step
+HOROVOD_ARGS = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off"]
 README = (REPO / "README.md").read_text()
-# The learning-curve recipe (tests/test_learning_curves.py): the small cnn, global batch 64, lr 0.1, fp32, 2 epochs.
+# The learning-curve recipe (tests/test_learning_curves.py): the small cnn, global batch 64,
+# lr 0.1, fp32, 2 epochs.
 CURVE_RECIPE = [*SMOKE, "--epochs", "2", "--lr", "0.1"]
-CURVE_STEPS = {  # step: its arguments besides the recipe; the README command gives its processes (2 for 04-08 here)
+# step: its arguments besides the recipe; the README command gives its processes (2 for 04-08 here)
+CURVE_STEPS = {
     1: ["--batch-size", "64", "--amp", "off"],
     2: ["--batch-size", "64", "--amp", "off"],
     3: ["--batch-size", "64", "--amp", "off"],
-    4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # NCHW, as 05's (test_learning_curves.py says why)
-    5: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],  # the README's command: ds_config.json
+    # NCHW, as 05's (test_learning_curves.py says why)
+    4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
+    # the README's command: ds_config.json
+    5: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
     6: ["--batch-size", "32", "--amp", "off"],
     7: ["--batch-size", "32", "--amp", "off"],
     8: ["--batch-size", "32", "--amp", "off"],
@@ -47,9 +54,10 @@ CURVE_STEPS = {  # step: its arguments besides the recipe; the README command gi
 
 
 def once(tmp_path_factory, name, make):
-    """make(folder), once per test session, for a fixture that many tests read: under pytest-xdist every worker sets up
-    session and module fixtures of its own, so the first worker to ask makes it (in a folder that every worker sees,
-    under a file lock) and the others wait for it and get what it returned."""
+    """make(folder), once per test session, for a fixture that many tests read: under pytest-xdist
+    every worker sets up session and module fixtures of its own, so the first worker to ask makes it
+    (in a folder that every worker sees, under a file lock) and the others wait for it and get what
+    it returned."""
     base = tmp_path_factory.getbasetemp()
     if base.name == f"popen-{os.environ.get('PYTEST_XDIST_WORKER')}":
         base = base.parent  # the session's folder, which holds each worker's basetemp
@@ -61,14 +69,16 @@ def once(tmp_path_factory, name, make):
             shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
             folder.mkdir()
             result.with_suffix(".part").write_bytes(pickle.dumps(make(folder)))
-            os.replace(result.with_suffix(".part"), result)  # whole or absent, even if this worker is killed
+            # whole or absent, even if this worker is killed
+            os.replace(result.with_suffix(".part"), result)
     return pickle.loads(result.read_bytes())
 
 
 def synthetic(folder, *flags):
-    """Write a synthetic CIFAR-10 into `folder` with `python scripts/synthetic.py --data-dir FOLDER FLAGS`, run in this
-    process (its main(), which that command calls): the data is the same, without a torch import of its own. The
-    command itself runs in tests/test_readme.py's quick start."""
+    """Write a synthetic CIFAR-10 into `folder` with
+    `python scripts/synthetic.py --data-dir FOLDER FLAGS`, run in this process (its main(), which
+    that command calls): the data is the same, without a torch import of its own. The command
+    itself runs in tests/test_readme.py's quick start."""
     from synthetic import main
 
     main(["--data-dir", str(folder), *map(str, flags)])
@@ -82,57 +92,67 @@ def script(number):
 
 
 def run(cmd, timeout=300, check=True, **env_extra):
-    """Run a command from the repository root (scripts/launchers.py run); with check=True fail the test (showing
-    its output) unless it exits 0. Returns the CompletedProcess with .output = stdout+stderr."""
+    """Run a command from the repository root (scripts/launchers.py run); with check=True fail the
+    test (showing its output) unless it exits 0. Returns the CompletedProcess with
+    .output = stdout+stderr."""
     proc = launchers.run(cmd, timeout, **env_extra)
     proc.output = proc.stdout
     if check and proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.output[-6000:]}", pytrace=False)
+        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{proc.output[-6000:]}",
+                    pytrace=False)
     if proc.returncode == 0:
         assert_ranks_agree(cmd)
     return proc
 
 
 def assert_ranks_agree(cmd):
-    """A numbered script that a test ran to its end (exit 0) with an --out-dir left the same state on every rank: its
-    weights-rankN.sha256 files (a hash of every tensor of the state_dict, batch-norm statistics too) are there, one
-    per rank from 0 up, and all equal."""
-    words = [word for c in cmd for word in (shlex.split(str(c)) if " " in str(c) else [str(c)])]  # also inside `bash -c`
+    """A numbered script that a test ran to its end (exit 0) with an --out-dir left the same state
+    on every rank: its weights-rankN.sha256 files (a hash of every tensor of the state_dict,
+    batch-norm statistics too) are there, one per rank from 0 up, and all equal."""
+    # also inside `bash -c`
+    words = [word for c in cmd for word in (shlex.split(str(c)) if " " in str(c) else [str(c)])]
     if not any(re.search(r"\d\d_cifar10_\w+\.py$", word) for word in words):
         return
     flags = re.findall(r"(?:--nproc_per_node|--num_gpus|-np|--spawn)[= ](\d+)", " ".join(words))
-    ranks = int(flags[0]) if flags and "--nnodes=2" not in words else None  # None: one, or not all here
+    # None: one, or not all here
+    ranks = int(flags[0]) if flags and "--nnodes=2" not in words else None
     for i, word in enumerate(words[:-1]):
         if word == "--out-dir":
             found = digests(words[i + 1])
-            assert found and sorted(found) == list(range(ranks or len(found))), f"not every rank's digest: {found}"
-            assert len(set(found.values())) == 1, f"the ranks ended with different states: {found}\n{' '.join(words)}"
+            assert found and sorted(found) == list(range(ranks or len(found))), (
+                f"not every rank's digest: {found}")
+            assert len(set(found.values())) == 1, (
+                f"the ranks ended with different states: {found}\n{' '.join(words)}")
 
 
 def readme_command(number):
-    """Step `number`'s launch command as the README's table of steps gives it, its 4 processes made 2 (2 cores here)."""
+    """Step `number`'s launch command as the README's table of steps gives it, its 4 processes
+    made 2 (2 cores here)."""
     (command,) = re.findall(rf"^\| {number:02d} \| .*? \| `([^`]+)` \| \[", README, re.M)
     return re.sub(r"(nproc_per_node=|--num_gpus |-np |localhost:)4\b", r"\g<1>2", command)
 
 
 def shell(command, *appended, **kw):
-    """Run a command as the README types it, through bash from the repository root, with flags appended (argparse: the
-    last one wins). The launchers' default port 29500 becomes a free one, so that two such runs side by side (two
-    pytest-xdist workers) do not meet: torchrun's through PET_MASTER_PORT, deepspeed's (which reads no variable for it)
-    as --master_port after the launcher's name."""
+    """Run a command as the README types it, through bash from the repository root, with flags
+    appended (argparse: the last one wins). The launchers' default port 29500 becomes a free one, so
+    that two such runs side by side (two pytest-xdist workers) do not meet: torchrun's through
+    PET_MASTER_PORT, deepspeed's (which reads no variable for it) as --master_port after the
+    launcher's name."""
     cmd, port = as_typed(command, *appended)
     return run(cmd, **{"PET_MASTER_PORT": port, **kw})
 
 
 def as_typed(command, *appended):
-    """(the argv that runs `command` with `appended` through bash, a free port for it): shell()'s command line."""
+    """(the argv that runs `command` with `appended` through bash, a free port for it):
+    shell()'s command line."""
     port = free_port()
     command = re.sub(r"^((\S*/)?deepspeed) ", rf"\1 --master_port={port} ", command)
     return ["bash", "-c", " ".join([command, *map(shlex.quote, map(str, appended))])], port
 
 
 def launch_command(launcher, nproc, number):
-    """How the README starts script `number` with `nproc` processes under each launcher (scripts/launchers.py)."""
+    """How the README starts script `number` with `nproc` processes under each launcher
+    (scripts/launchers.py)."""
     return launchers.launch_command(launcher, nproc, script(number))
 
 
@@ -149,12 +169,14 @@ def horovodrun(nproc, number, *args, **kw):
 
 
 def run_together(*commands, timeout=300):
-    """Run commands side by side and fail like run() unless every one exits 0. Returns their outputs."""
+    """Run commands side by side and fail like run() unless every one exits 0.
+    Returns their outputs."""
     procs = [start(cmd) for cmd in commands]
     outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     for cmd, proc, output in zip(commands, procs, outputs):
         if proc.returncode != 0:
-            pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{output[-6000:]}", pytrace=False)
+            pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{output[-6000:]}",
+                        pytrace=False)
         assert_ranks_agree(cmd)
     return outputs
 
@@ -176,7 +198,8 @@ def metrics(out_dir):
 
 def digests(out_dir):
     """{rank: sha256 of that rank's final weights} from weights-rankN.sha256 files."""
-    return {int(p.stem.split("rank")[1]): p.read_text().strip() for p in Path(out_dir).glob("weights-rank*.sha256")}
+    return {int(p.stem.split("rank")[1]): p.read_text().strip()
+            for p in Path(out_dir).glob("weights-rank*.sha256")}
 
 
 def latest_checkpoint(out_dir):
@@ -200,7 +223,8 @@ def assert_trained(out_dir, epochs, min_acc=0.5, ranks=1):
     assert (Path(out_dir) / "training_curves.png").stat().st_size > 1000
     state = load_checkpoint(latest_checkpoint(out_dir))
     assert state["format"] == "parallel-steps/1" and state["epoch"] == epochs and state["synthetic"]
-    assert not any(k.startswith("module.") for k in state["model"]), "checkpoint weights must be unwrapped"
+    assert not any(k.startswith("module.") for k in state["model"]), (
+        "checkpoint weights must be unwrapped")
     found = digests(out_dir)
     assert sorted(found) == list(range(ranks)), found
     assert len(set(found.values())) == 1, f"ranks ended with different weights: {found}"
@@ -216,9 +240,10 @@ def copy_checkpoint_dir(src, dst):
 
 
 def as_after_epoch(src, dst, epoch, rows=True):
-    """dst: the out-dir `src` as it was after `epoch`, which is what `--stop-after EPOCH` leaves (the same run, stopped
-    there): that epoch's checkpoint, with its DeepSpeed engine or sharded (dcp/) checkpoint where the step writes one,
-    and metrics.jsonl's rows up to it (rows=False: none, as a kill before the row was written leaves it)."""
+    """dst: the out-dir `src` as it was after `epoch`, which is what `--stop-after EPOCH` leaves
+    (the same run, stopped there): that epoch's checkpoint, with its DeepSpeed engine or sharded
+    (dcp/) checkpoint where the step writes one, and metrics.jsonl's rows up to it (rows=False:
+    none, as a kill before the row was written leaves it)."""
     src, dst, tag = Path(src), Path(dst), f"epoch{epoch:04d}"
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(checkpoint_epoch(src, epoch), dst)
@@ -229,7 +254,8 @@ def as_after_epoch(src, dst, epoch, rows=True):
         (dst / "ds_checkpoints" / "latest").write_text(tag)
     if rows:
         lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
-        (dst / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["epoch"] <= epoch))
+        kept = "".join(line for line in lines if json.loads(line)["epoch"] <= epoch)
+        (dst / "metrics.jsonl").write_text(kept)
     return dst
 
 
@@ -241,13 +267,15 @@ def checkpoint_epoch(out_dir, epoch):
 
 def start(cmd, **env_extra):
     """Start a command in the background (own process group), output to a pipe."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(**env_extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env(**env_extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 class Output:
-    """A started job's output as it comes, read in a thread with the time of each line, so that a test can wait for a
-    line without blocking on it (until()) and time what follows a line (ends_within())."""
+    """A started job's output as it comes, read in a thread with the time of each line, so that a
+    test can wait for a line without blocking on it (until()) and time what follows a line
+    (ends_within())."""
 
     def __init__(self, job):
         import threading
@@ -269,37 +297,46 @@ class Output:
 
     def when(self, pattern):
         """The time of the first line that matches `pattern` (a regular expression), or None."""
-        return next((at for at, line in zip(list(self.times), list(self.lines)) if re.search(pattern, line)), None)
+        return next((at for at, line in zip(list(self.times), list(self.lines))
+                     if re.search(pattern, line)), None)
 
     def stacks(self):
-        """Where each process of the job is now (py-spy dump of each): what a test reports after waiting in vain."""
+        """Where each process of the job is now (py-spy dump of each): what a test reports
+        after waiting in vain."""
         import psutil
 
         dumps = []
         with contextlib.suppress(psutil.Error):
-            for process in [psutil.Process(self.job.pid), *psutil.Process(self.job.pid).children(recursive=True)]:
-                with contextlib.suppress(psutil.Error, subprocess.SubprocessError, OSError):  # gone, or no py-spy
+            for process in [psutil.Process(self.job.pid),
+                            *psutil.Process(self.job.pid).children(recursive=True)]:
+                # gone, or no py-spy
+                with contextlib.suppress(psutil.Error, subprocess.SubprocessError, OSError):
                     command = " ".join(process.cmdline())[:160]
-                    dump = subprocess.run([BIN / "py-spy", "dump", "--pid", str(process.pid)], capture_output=True,
-                                          text=True, errors="replace", timeout=30)
+                    dump = subprocess.run([BIN / "py-spy", "dump", "--pid", str(process.pid)],
+                                          capture_output=True, text=True, errors="replace",
+                                          timeout=30)
                     dumps.append(f"== {command}\n{(dump.stdout or dump.stderr)[-2500:]}")
         return "\n".join(["where each process of the job is (py-spy dump):", *dumps])
 
     def until(self, pattern, timeout=120):
-        """Wait until the output so far matches `pattern` (a regular expression, re.M: ^ is a line's start); returns it."""
+        """Wait until the output so far matches `pattern` (a regular expression, re.M: ^ is a
+        line's start); returns it."""
         import time
 
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.text, re.M):
-            assert self.job.poll() is None or self.thread.is_alive(), f"no line like {pattern!r}:\n{self.text[-4000:]}"
+            assert self.job.poll() is None or self.thread.is_alive(), (
+                f"no line like {pattern!r}:\n{self.text[-4000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no line like {pattern!r} in {timeout} s:\n{self.text[-4000:]}\n{self.stacks()}")
+                raise AssertionError(f"no line like {pattern!r} in {timeout} s:\n"
+                                     f"{self.text[-4000:]}\n{self.stacks()}")
             time.sleep(0.02)
         return self.text
 
     def ends_within(self, pattern, seconds, timeout=120):
-        """Wait for the job to end, and fail if it was still running `seconds` after its first line that matches
-        `pattern` (then its process group is killed: a hang at exit). Returns (exit status, seconds it took)."""
+        """Wait for the job to end, and fail if it was still running `seconds` after its first line
+        that matches `pattern` (then its process group is killed: a hang at exit).
+        Returns (exit status, seconds it took)."""
         import signal
         import time
 
@@ -310,7 +347,8 @@ class Output:
             stacks = self.stacks()
             os.killpg(self.job.pid, signal.SIGKILL)
             self.thread.join(10)
-            raise AssertionError(f"still running {seconds} s after its line {pattern!r}:\n{self.text[-4000:]}\n{stacks}")
+            raise AssertionError(f"still running {seconds} s after its line {pattern!r}:\n"
+                                 f"{self.text[-4000:]}\n{stacks}")
         ended = time.monotonic()
         self.thread.join(10)
         return self.job.returncode, ended - self.when(pattern)
@@ -342,15 +380,16 @@ def wait_for(folder, pattern, proc, timeout=240):
 
     deadline = time.monotonic() + timeout
     while not list(Path(folder).glob(pattern)):
-        assert proc.poll() is None, f"ended before {pattern} appeared in {folder}:\n{proc.stdout.read()[-4000:]}"
+        assert proc.poll() is None, (
+            f"ended before {pattern} appeared in {folder}:\n{proc.stdout.read()[-4000:]}")
         assert time.monotonic() < deadline, f"{pattern} did not appear in {folder}"
         time.sleep(0.05)
 
 
 def kill_rank_after_epoch_1(launcher, out_dir, rank=1, timeout=120):
-    """SIGKILL one rank once an epoch's checkpoint exists (epoch 1's, or a later one: only the newest 3 are kept, and
-    a loaded test process may look after 0.2 s epochs have rotated it out); return (exit status, output, seconds the
-    launcher took to end after the kill)."""
+    """SIGKILL one rank once an epoch's checkpoint exists (epoch 1's, or a later one: only the
+    newest 3 are kept, and a loaded test process may look after 0.2 s epochs have rotated it out);
+    return (exit status, output, seconds the launcher took to end after the kill)."""
     import signal
     import time
 
@@ -373,13 +412,15 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     import runpy
 
     step01 = runpy.run_path(script(1), run_name="step01")
-    args = step01["parse_args"]([str(a) for a in [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path,
-                                                  "--amp", "off", "--no-channels-last"]])
+    argv = [*data_args, "--out-dir", out_dir, "--resume", checkpoint_path, "--amp", "off",
+            "--no-channels-last"]
+    args = step01["parse_args"]([str(a) for a in argv])
     cpu = torch.device("cpu")
     train_set, test_set, info = step01["build_data"](args)
     train_loader, test_loader, _ = step01["build_loaders"](args, train_set, test_set)
     model = step01["prepare_model"](args, step01["build_model"](args, info), cpu)
-    optimizer, scheduler, scaler = step01["build_optimizer"](args, model, len(train_loader), cpu, None)
+    build_optimizer = step01["build_optimizer"]
+    optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader), cpu, None)
     epoch, _, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
     assert epoch == logged["epoch"]
     evaluated = step01["evaluate"](args, model, test_loader, cpu, None)
@@ -388,18 +429,22 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
 
 
 def assert_01_continues_by_progress(checkpoint_path, data, out_dir):
-    """Continue a checkpoint of 2 processes with another batch arithmetic (more steps per epoch) in step 01 at batch
-    64: the change is announced, the schedule goes by epochs done, so epoch 2 trains (the weights move) and its loss falls below epoch 1's."""
+    """Continue a checkpoint of 2 processes with another batch arithmetic (more steps per epoch) in
+    step 01 at batch 64: the change is announced, the schedule goes by epochs done, so epoch 2
+    trains (the weights move) and its loss falls below epoch 1's."""
     from common.checkpoint import weights_digest
 
     state = load_checkpoint(checkpoint_path)
-    proc = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--grad-accum", "1", "--amp", "off",
-                "--out-dir", out_dir, "--resume", checkpoint_path])
+    proc = run([PYTHON, script(1), *data, *EPOCHS, "--batch-size", "64", "--grad-accum", "1",
+                "--amp", "off", "--out-dir", out_dir, "--resume", checkpoint_path])
     batch_then = TRAIN_SIZE // state["metrics"]["steps"]  # the other run's global batch
-    assert (f"note: the checkpoint's run had 2 processes (global batch {batch_then}), this one has 1 (global batch "
-            "64): the learning-rate schedule continues by progress (epochs done), not by step count") in proc.output, \
-        proc.output
+    note = (f"note: the checkpoint's run had 2 processes (global batch {batch_then}), this one "
+            "has 1 (global batch 64): the learning-rate schedule continues by progress (epochs "
+            "done), not by step count")
+    assert note in proc.output, proc.output
     (row,) = metrics(out_dir)
-    assert row["epoch"] == 2 and row["train_loss"] < state["metrics"]["train_loss"], (row, state["metrics"])
+    assert row["epoch"] == 2 and row["train_loss"] < state["metrics"]["train_loss"], (
+        row, state["metrics"])
     final = load_checkpoint(checkpoint_epoch(out_dir, 2))["model"]
-    assert weights_digest(final) != weights_digest(state["model"]), "epoch 2 did not change the weights"
+    assert weights_digest(final) != weights_digest(state["model"]), (
+        "epoch 2 did not change the weights")

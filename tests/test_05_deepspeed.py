@@ -1,25 +1,26 @@
 """Step 05 (DeepSpeed) under the real deepspeed launcher: ZeRO stages 0, 2 and 3 train and keep the
 replicas identical, an engine checkpoint resumes bit for bit, the exported checkpoint-epochNNNN.pt
-loads in step 01 and evaluates to the accuracy 05 logged, and a missing DeepSpeed is one line (fp16 on the
-CPU: tests/test_bad_input.py, with the other bad input).
+loads in step 01 and evaluates to the accuracy 05 logged, and a missing DeepSpeed is one line (fp16
+on the CPU: tests/test_bad_input.py, with the other bad input).
 
 Every launch costs seconds on two cores (the launcher's two processes and every rank import
 DeepSpeed), so there are five, each serving several checks:
-* run05: ZeRO-2 in --amp auto (bf16 on a CPU that computes it natively, else fp32), 2 processes x 4 images x 2
-  accumulated passes, 2 epochs of small_data, the README's command (`deepspeed -q`, DS_ACCELERATOR=cpu): the
-  uninterrupted reference;
-* run05's out-dir as --stop-after 1 leaves it (a copy of epoch 1: the same bits), then --resume auto: must end
-  bit-identical to run05;
+* run05: ZeRO-2 in --amp auto (bf16 on a CPU that computes it natively, else fp32), 2 processes x 4
+  images x 2 accumulated passes, 2 epochs of small_data, the README's command (`deepspeed -q`,
+  DS_ACCELERATOR=cpu): the uninterrupted reference;
+* run05's out-dir as --stop-after 1 leaves it (a copy of epoch 1: the same bits), then --resume
+  auto: must end bit-identical to run05;
 * zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
-  numbers), with a config that partitions even the small model's weights; epoch 1 of 2, 2 processes x 8
-  images, so that step 01 continuing its export at batch 64 meets another batch arithmetic;
-* ZeRO-0 in fp32 continues zero3's exported checkpoint (weights only) to epoch 2, launched as on a plain CPU
-  machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed noise, and must end where 04
-  continuing the same file does;
+  numbers), with a config that partitions even the small model's weights; epoch 1 of 2, 2 processes
+  x 8 images, so that step 01 continuing its export at batch 64 meets another batch arithmetic;
+* ZeRO-0 in fp32 continues zero3's exported checkpoint (weights only) to epoch 2, launched as on a
+  plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed noise, and
+  must end where 04 continuing the same file does;
 * the overflow check, on 8 images (bf16 is emulated on this CPU).
-In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in tests/test_preemption.py
-and without it in tests/test_default_model.py, ZeRO 2 without it in tests/test_learning_curves.py. (ZeRO 2 with
---grad-accum reduces every pass's gradients as they come: other bits, the same curve; run05 above.)
+In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in
+tests/test_preemption.py and without it in tests/test_default_model.py, ZeRO 2 without it in
+tests/test_learning_curves.py. (ZeRO 2 with --grad-accum reduces every pass's gradients as they
+come: other bits, the same curve; run05 above.)
 """
 import json
 
@@ -28,22 +29,29 @@ import torch
 
 from common.checkpoint import weights_digest
 from common.cli import amp_dtype
-from helpers import (PYTHON, REPO, SMOKE, as_after_epoch, assert_01_continues_by_progress, assert_one_line_error,
-                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run, script)
+from helpers import (PYTHON, REPO, SMOKE, as_after_epoch, assert_01_continues_by_progress,
+                     assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
+                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run,
+                     script)
 
 STEP = "05_cifar10_deepspeed"
-# 2 processes x 4 images x 2 accumulated passes = 16 images per optimizer step, 20 steps per epoch of small_data.
-ZERO2 = ["--epochs", "2", "--batch-size", "4", "--grad-accum", "2", "--zero-stage", "2"]  # --amp auto
-AUTO = "bf16" if amp_dtype("auto", torch.device("cpu")) else "off"  # what --amp auto runs on this CPU
-OURS = ("no GPU found", f"{STEP}:", "epoch ", "stopping after", "resumed from", "DeepSpeed config: {")
+# 2 processes x 4 images x 2 accumulated passes = 16 images per optimizer step, 20 steps per epoch
+# of small_data (--amp auto).
+ZERO2 = ["--epochs", "2", "--batch-size", "4", "--grad-accum", "2", "--zero-stage", "2"]
+# what --amp auto runs on this CPU
+AUTO = "bf16" if amp_dtype("auto", torch.device("cpu")) else "off"
+OURS = ("no GPU found", f"{STEP}:", "epoch ", "stopping after", "resumed from",
+        "DeepSpeed config: {")
 
 
 def deepspeed(nproc, *args, quiet=True, **kw):
-    """`deepspeed [-q] --num_gpus N 05_cifar10_deepspeed.py --deepspeed_config ds_config.json ARGS` from the
-    repository root (a later --deepspeed_config in ARGS wins). quiet: the README's CPU command, with -q and
-    DS_ACCELERATOR=cpu; otherwise as typed on a CPU machine that has neither."""
+    """`deepspeed [-q] --num_gpus N 05_cifar10_deepspeed.py --deepspeed_config ds_config.json ARGS`
+    from the repository root (a later --deepspeed_config in ARGS wins).
+    quiet: the README's CPU command, with -q and DS_ACCELERATOR=cpu; otherwise as typed on a CPU
+    machine that has neither."""
     launcher, *rest = launch_command("deepspeed", nproc, 5)
-    command = [launcher, *(["-q"] if quiet else []), *rest, "--deepspeed_config", "ds_config.json", *args]
+    command = [launcher, *(["-q"] if quiet else []), *rest, "--deepspeed_config", "ds_config.json",
+               *args]
     if quiet:
         return run(command, DS_ACCELERATOR="cpu", **kw)
     return run(["env", "-u", "DS_ACCELERATOR", *command], **kw)
@@ -55,20 +63,22 @@ def losses(out_dir):
 
 @pytest.fixture(scope="module")
 def run05(small_data, tmp_path_factory):
-    return once(tmp_path_factory, "run05", lambda out: (out, deepspeed(2, *small_data, *ZERO2, "--out-dir", out).output))
+    return once(tmp_path_factory, "run05",
+                lambda out: (out, deepspeed(2, *small_data, *ZERO2, "--out-dir", out).output))
 
 
 @pytest.fixture(scope="module")
 def zero3(data, tmp_path_factory):
-    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), stopped after epoch 1 of 2. DeepSpeed keeps
-    weights under 1e5 elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
-    model's: the config sets 0."""
+    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), stopped after epoch 1 of 2.
+    DeepSpeed keeps weights under 1e5 elements whole on every rank
+    (stage3_param_persistence_threshold), which is all of the small model's: the config sets 0."""
     def make(out):
         config = json.loads((REPO / "ds_config.json").read_text())
         config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
         (out / "zero3.json").write_text(json.dumps(config))
-        proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off", "--stop-after", "1",
-                         "--deepspeed_config", out / "zero3.json", "--out-dir", out)
+        proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off",
+                         "--stop-after", "1", "--deepspeed_config", out / "zero3.json",
+                         "--out-dir", out)
         return out, proc.output
     return once(tmp_path_factory, "zero3", make)
 
@@ -83,50 +93,60 @@ def test_zero2_trains_identical_replicas_quietly_in_the_native_precision(run05):
     assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)
     state = load_checkpoint(checkpoint_epoch(out, 2))
     assert state["step"] == STEP and state["optimizer"] is None and state["args"]["zero_stage"] == 2
-    # The export holds the fp32 master weights (not the bf16 copies the model ran with), and the digests
-    # every rank wrote are of exactly these weights: what 01-04 load and fingerprint.
+    # The export holds the fp32 master weights (not the bf16 copies the model ran with), and the
+    # digests every rank wrote are of exactly these weights: what 01-04 load and fingerprint.
     assert {tensor.dtype for tensor in state["model"].values()} == {torch.float32}
     assert weights_digest(state["model"]) == digests(out)[0]
     assert (out / "ds_checkpoints" / "latest").read_text().strip() == "epoch0002"
 
 
 def test_resume_from_the_engine_checkpoint_is_bit_exact(run05, small_data, tmp_path):
-    """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine: run05's end, exactly.
-    That epoch 1 repeats bit for bit in a launch of its own is held for DeepSpeed in tests/test_default_model.py."""
+    """run05 as --stop-after 1 would have left it (zero3 is such a run), resumed by the engine:
+    run05's end, exactly. That epoch 1 repeats bit for bit in a launch of its own is held for
+    DeepSpeed in tests/test_default_model.py."""
     as_after_epoch(run05[0], tmp_path, 1)
-    # One process cannot take two processes' ZeRO shards: the line names the way that works (weights only).
-    alone = run([PYTHON, script(5), "--out-dir", tmp_path, "--resume", tmp_path / "ds_checkpoints"], check=False,
-                DS_ACCELERATOR="cpu")  # the engine's folder: the settings come from the export beside it
+    # One process cannot take two processes' ZeRO shards: the line names the way that works
+    # (weights only).
+    alone = run([PYTHON, script(5), "--out-dir", tmp_path,
+                 # the engine's folder: the settings come from the export beside it
+                 "--resume", tmp_path / "ds_checkpoints"],
+                check=False, DS_ACCELERATOR="cpu")
     assert_one_line_error(alone, "holds the optimizer state of 2 processes, this run has 1",
                           f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
-    assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 16), this one has 1 (global "
-                              "batch 8)") == 1, alone.output  # settings from the checkpoint: --grad-accum 2, --batch-size 4
+    # settings from the checkpoint: --grad-accum 2, --batch-size 4
+    assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 16), "
+                              "this one has 1 (global batch 8)") == 1, alone.output
     second = deepspeed(2, *small_data, *ZERO2, "--out-dir", tmp_path, "--resume", "auto")
     assert (f"resumed from epoch 1 (written by 05_cifar10_deepspeed), DeepSpeed checkpoint "
             f"{tmp_path / 'ds_checkpoints' / 'epoch0001'}") in second.output
-    assert losses(tmp_path) == losses(run05[0]), "the resumed run must log the uninterrupted run's losses"
+    assert losses(tmp_path) == losses(run05[0]), (
+        "the resumed run must log the uninterrupted run's losses")
     assert digests(tmp_path) == digests(run05[0]), "and end with bit-identical weights"
 
 
 def test_zero3_partitions_and_trains(zero3):
     out, output = zero3
     assert "ZeRO stage 3, amp off" in output and "stopping after 1 epoch" in output
-    assert_trained(out, epochs=1, min_acc=0.4, ranks=2)  # one warm-up epoch: well above chance already
+    # one warm-up epoch: well above chance already
+    assert_trained(out, epochs=1, min_acc=0.4, ranks=2)
     shards = sorted(path.name for path in (out / "ds_checkpoints" / "epoch0001").iterdir())
-    assert shards == [f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
-                      for rank in (0, 1) for kind in ("model", "optim")], "every rank saves its own shard"
+    expected = [f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                for rank in (0, 1) for kind in ("model", "optim")]
+    assert shards == expected, "every rank saves its own shard"
 
 
 def test_01_evaluates_the_export_to_the_logged_accuracy(zero3, data, tmp_path):
-    """The weights gathered from ZeRO-3's shards; 05 evaluated through the engine on two test shards."""
-    assert_step01_evaluates_as_logged(checkpoint_epoch(zero3[0], 1), metrics(zero3[0])[0], data, tmp_path)
+    """The weights gathered from ZeRO-3's shards;
+    05 evaluated through the engine on two test shards."""
+    assert_step01_evaluates_as_logged(checkpoint_epoch(zero3[0], 1), metrics(zero3[0])[0], data,
+                                      tmp_path)
 
 
 def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data, tmp_path):
-    """ZeRO 0 in fp32 continues zero3's export (weights only, 80 steps per epoch then, 20 now of 2 accumulated
-    passes) to the bits that 04 reaches from the same file: the schedule placed by progress, the same step, the same
-    accumulation. (Placed at the export's raw step count it would train epoch 2 at learning rate 0, and still pass
-    an accuracy floor.)"""
+    """ZeRO 0 in fp32 continues zero3's export (weights only, 80 steps per epoch then, 20 now of 2
+    accumulated passes) to the bits that 04 reaches from the same file: the schedule placed by
+    progress, the same step, the same accumulation. (Placed at the export's raw step count it would
+    train epoch 2 at learning rate 0, and still pass an accuracy floor.)"""
     resumed = [*data, "--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off",
                "--no-channels-last", "--resume", checkpoint_epoch(zero3[0], 1)]
     proc = deepspeed(2, *resumed, "--zero-stage", "0", "--out-dir", tmp_path / "05", quiet=False)
@@ -136,38 +156,45 @@ def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data
     rows = metrics(tmp_path / "05")
     assert [row["epoch"] for row in rows] == [2] and rows[0]["test_acc"] >= 0.5, rows
     found = digests(tmp_path / "05")
-    assert sorted(found) == [0, 1] and found == digests(tmp_path / "04"), (found, digests(tmp_path / "04"))
-    # The launcher's two processes (runner, launch.py) each warn that no GPU was found; the ranks do not
-    # (the script names the CPU), nor print the shm op build, the scheduler warning or torch's FutureWarnings.
+    assert sorted(found) == [0, 1] and found == digests(tmp_path / "04"), (
+        found, digests(tmp_path / "04"))
+    # The launcher's two processes (runner, launch.py) each warn that no GPU was found; the ranks
+    # do not (the script names the CPU), nor print the shm op build, the scheduler warning or
+    # torch's FutureWarnings.
     assert proc.output.count("Setting accelerator to CPU") == 2, proc.output
-    for noise in ("built successfully", "Attempting to get learning rate", "untested optimizer", "FutureWarning"):
+    for noise in ("built successfully", "Attempting to get learning rate", "untested optimizer",
+                  "FutureWarning"):
         assert noise not in proc.output, proc.output
 
 
 def test_missing_deepspeed_is_one_line_with_the_fix(data, tmp_path):
-    hide_deepspeed = ("import runpy, sys; sys.modules['deepspeed'] = None; sys.argv = sys.argv[1:]; "
-                      "runpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = run([PYTHON, "-c", hide_deepspeed, script(5), *data, "--out-dir", tmp_path / "o"], check=False)
-    assert_one_line_error(proc, "DeepSpeed is not importable", f"`{PYTHON} -m pip install deepspeed==0.19.8`")
+    hide_deepspeed = ("import runpy, sys; sys.modules['deepspeed'] = None; "
+                      "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = run([PYTHON, "-c", hide_deepspeed, script(5), *data, "--out-dir", tmp_path / "o"],
+               check=False)
+    assert_one_line_error(proc, "DeepSpeed is not importable",
+                          f"`{PYTHON} -m pip install deepspeed==0.19.8`")
     assert not (tmp_path / "o").exists(), "nothing is written before the check"
 
 
 def test_an_export_of_other_batch_arithmetic_continues_in_01_by_progress(zero3, data, tmp_path):
-    """zero3's 2 processes x 8 images (80 steps per epoch), continued by 01 at batch 64 (20 steps per epoch)."""
+    """zero3's 2 processes x 8 images (80 steps per epoch),
+    continued by 01 at batch 64 (20 steps per epoch)."""
     assert_01_continues_by_progress(checkpoint_epoch(zero3[0], 1), data, tmp_path)
 
 
 def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
-    """fp16 (--amp auto on GPUs without native bf16): DeepSpeed skips a step whose gradients overflowed, and does not
-    step the schedule then. The checkpoint's global_step must still count it: it places the schedule when another
-    step continues the checkpoint. On the CPU DeepSpeed checks bf16 gradients too when the config asks, and a huge
-    learning rate makes every gradient after the first step non-finite."""
+    """fp16 (--amp auto on GPUs without native bf16): DeepSpeed skips a step whose gradients
+    overflowed, and does not step the schedule then. The checkpoint's global_step must still count
+    it: it places the schedule when another step continues the checkpoint. On the CPU DeepSpeed
+    checks bf16 gradients too when the config asks, and a huge learning rate makes every gradient
+    after the first step non-finite."""
     config = json.loads((REPO / "ds_config.json").read_text())
     config["bf16"]["check_grad_overflow"] = True
     (tmp_path / "overflow.json").write_text(json.dumps(config))
-    proc = deepspeed(2, *tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2", "--amp", "bf16", "--lr", "1e30",
-                     "--stop-after", "1", "--deepspeed_config", tmp_path / "overflow.json",
-                     "--out-dir", tmp_path / "o")
+    proc = deepspeed(2, *tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2", "--amp", "bf16",
+                     "--lr", "1e30", "--stop-after", "1",
+                     "--deepspeed_config", tmp_path / "overflow.json", "--out-dir", tmp_path / "o")
     assert "OVERFLOW! Skipping step" in proc.output
     state = load_checkpoint(checkpoint_epoch(tmp_path / "o", 1))
     assert state["global_step"] == state["metrics"]["steps"] == 8 // 4, state["metrics"]
@@ -175,9 +202,9 @@ def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("number", [5, 8])
 def test_every_rank_evaluates_in_as_many_batches_as_every_other(number, monkeypatch):
-    """Under ZeRO-3 (05) and FSDP (08) every forward is collective: a rank with one test batch more would wait alone.
-    1,025 images on 2 ranks are shards of 513 and 512, in 512s 2 batches and 1. (On the CPU DeepSpeed 0.19.8 did not
-    hang even so, docs/05-deepspeed.md; a GPU may.)"""
+    """Under ZeRO-3 (05) and FSDP (08) every forward is collective: a rank with one test batch more
+    would wait alone. 1,025 images on 2 ranks are shards of 513 and 512, in 512s 2 batches and 1.
+    (On the CPU DeepSpeed 0.19.8 did not hang even so, docs/05-deepspeed.md; a GPU may.)"""
     import runpy
 
     import torch.distributed as dist
@@ -192,5 +219,6 @@ def test_every_rank_evaluates_in_as_many_batches_as_every_other(number, monkeypa
             loader = step["build_loaders"](args, list(range(4096)), list(range(size)))[1]
             assert max(len(b) for b in loader.batch_sampler) <= 512
             batches.add(len(loader))
-            assert sum(len(b) for b in loader.batch_sampler) == len(range(rank, size, world)), "every image, once"
+            assert sum(len(b) for b in loader.batch_sampler) == len(range(rank, size, world)), (
+                "every image, once")
         assert len(batches) == 1, (size, world, batches)

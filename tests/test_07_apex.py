@@ -1,31 +1,35 @@
 """Step 07 (Apex): the native successors for real on CPU, and Apex's absence said in one line.
 
 The native path (torch.autocast + GradScaler, torch DDP) runs under the legacy launcher old Apex
-tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N), ending with step 04's bits
-(stopped by SIGTERM and resumed under torchrun: tests/test_preemption.py; fp16 with GradScaler in process:
-tests/test_gpu_paths.py). The legacy apex.amp/apex.parallel path and FusedSGD need a CUDA GPU
-and a built Apex: neither exists here, so they are untested; these tests check what a reader without
-them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the other bad input). Only the legacy
-path's own lines run here, on 2 CPU ranks with a stand-in of Apex's interface at O2 (APEX_STAND_IN): buffers
-synced, and a resume bit for bit through the fp32 master weights.
+tutorials use (`python -m torch.distributed.launch`, which passes --local-rank=N), ending with step
+04's bits (stopped by SIGTERM and resumed under torchrun: tests/test_preemption.py; fp16 with
+GradScaler in process: tests/test_gpu_paths.py). The legacy apex.amp/apex.parallel path and FusedSGD
+need a CUDA GPU and a built Apex: neither exists here, so they are untested; these tests check what
+a reader without them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the
+other bad input). Only the legacy path's own lines run here, on 2 CPU ranks with a stand-in of
+Apex's interface at O2 (APEX_STAND_IN): buffers synced, and a resume bit for bit through the fp32
+master weights.
 """
 import os
 
 import pytest
 
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, as_after_epoch, assert_one_line_error, assert_trained,
-                     checkpoint_epoch, digests, free_port, load_checkpoint, legacy_launch, metrics, once, run, script,
-                     torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, REPO, SMOKE, as_after_epoch,
+                     assert_one_line_error, assert_trained, checkpoint_epoch, digests, free_port,
+                     load_checkpoint, legacy_launch, metrics, once, run, script, torchrun)
 
-# 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end with 04's bits. fp32
-# because the CPU emulates bf16, which test_bf16_autocast_resumes_bit_for_bit runs on 8 images.
+# 2 processes x 32 in fp32, as run04 (conftest.py): the native path is 04's code, so 07 must end
+# with 04's bits. fp32 because the CPU emulates bf16, which test_bf16_autocast_resumes_bit_for_bit
+# runs on 8 images.
 TRAIN = [*EPOCHS, *DDP_ARGS]
-ONE = [*EPOCHS, "--batch-size", "64", "--amp", "off"]  # 1 x 64: the same global batch in one process
+# 1 x 64: the same global batch in one process
+ONE = [*EPOCHS, "--batch-size", "64", "--amp", "off"]
 
 
 @pytest.fixture(scope="module")
 def legacy(data, tmp_path_factory):
-    """2 epochs under the legacy launcher (its stop by SIGTERM and resume under torchrun: tests/test_preemption.py)."""
+    """2 epochs under the legacy launcher (its stop by SIGTERM and resume under torchrun:
+    tests/test_preemption.py)."""
     def make(out):
         return out, legacy_launch(2, 7, *data, *TRAIN, "--out-dir", out).output
     return once(tmp_path_factory, "apex-legacy", make)
@@ -36,36 +40,44 @@ def test_native_path_trains_under_the_legacy_launcher(legacy):
     assert "epoch   2/2" in output, output
     assert_trained(out, epochs=2, ranks=2)
     chosen = [line for line in output.splitlines() if line.startswith("amp backend:")]
-    assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; using its native successors "
+    assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; "
+                      "using its native successors "
                       "torch.autocast + GradScaler + torch DDP)"], output
     assert "optimizer: torch.optim.SGD" in output
     state = load_checkpoint(checkpoint_epoch(out, 2))
-    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}  # fp32: the scaler is disabled
+    # fp32: the scaler is disabled
+    assert state["step"] == "07_cifar10_apex" and state["scaler"] == {}
 
 
 def test_under_the_legacy_launcher_it_ends_where_04_does_bit_for_bit(legacy, run04):
     out, _ = legacy
     assert [row["epoch"] for row in metrics(out)] == [1, 2]
-    assert sorted(digests(out)) == [0, 1] and digests(out) == digests(run04[0]), "04's code, 04's bits"
+    assert (sorted(digests(out)) == [0, 1]
+            and digests(out) == digests(run04[0])), "04's code, 04's bits"
 
 
 def test_bf16_autocast_resumes_bit_for_bit(tiny_data, tmp_path):
-    """bf16 autocast (--amp auto's choice where the CPU computes it natively; the scaler disabled) on 8 images, 2
-    optimizer steps per epoch (a CPU without native bf16 emulates it): the legacy launcher's run as it was after
-    epoch 1 (what a stopped launch leaves), resumed under torchrun, ends where the uninterrupted one does."""
+    """bf16 autocast (--amp auto's choice where the CPU computes it natively; the scaler disabled)
+    on 8 images, 2 optimizer steps per epoch (a CPU without native bf16 emulates it): the legacy
+    launcher's run as it was after epoch 1 (what a stopped launch leaves), resumed under torchrun,
+    ends where the uninterrupted one does."""
     tiny = [*tiny_data, *SMOKE, "--epochs", "2", "--batch-size", "2", "--amp", "bf16"]
     whole = legacy_launch(2, 7, *tiny, "--out-dir", tmp_path / "whole")
     assert "amp bf16" in whole.output, whole.output
-    assert load_checkpoint(checkpoint_epoch(tmp_path / "whole", 2))["scaler"] == {}  # bf16: the scaler is disabled
-    as_after_epoch(tmp_path / "whole", tmp_path / "resumed", 1)  # what a legacy launch stopped after epoch 1 leaves
+    # bf16: the scaler is disabled
+    assert load_checkpoint(checkpoint_epoch(tmp_path / "whole", 2))["scaler"] == {}
+    # what a legacy launch stopped after epoch 1 leaves
+    as_after_epoch(tmp_path / "whole", tmp_path / "resumed", 1)
     torchrun(2, 7, *tiny, "--out-dir", tmp_path / "resumed", "--resume", "auto")
     found = digests(tmp_path / "resumed")
-    assert sorted(found) == [0, 1] and found == digests(tmp_path / "whole"), (found, digests(tmp_path / "whole"))
+    assert sorted(found) == [0, 1] and found == digests(tmp_path / "whole"), (
+        found, digests(tmp_path / "whole"))
 
 
 def test_checkpoints_interchange_with_step_01(legacy, data, tmp_path):
     """01 continues from 07's epoch-1 checkpoint; 07 then loads 01's result to the last bit."""
-    run([PYTHON, script(1), *data, *ONE, "--out-dir", tmp_path / "01", "--resume", checkpoint_epoch(legacy[0], 1)])
+    run([PYTHON, script(1), *data, *ONE, "--out-dir", tmp_path / "01",
+         "--resume", checkpoint_epoch(legacy[0], 1)])
     proc = run([PYTHON, script(7), *data, *ONE, "--out-dir", tmp_path / "07",
                 "--resume", checkpoint_epoch(tmp_path / "01", 2), "--amp-backend", "torch"])
     assert "resumed from epoch 2 (written by 01_cifar10_cpu)" in proc.output
@@ -74,16 +86,18 @@ def test_checkpoints_interchange_with_step_01(legacy, data, tmp_path):
 
 @pytest.fixture
 def registry_apex(tmp_path):
-    """What `pip install apex` gives: a top-level package named apex, without amp/ or optimizers/."""
+    """What `pip install apex` gives: a top-level package named apex, without amp/ or
+    optimizers/."""
     (tmp_path / "site" / "apex").mkdir(parents=True)
     (tmp_path / "site" / "apex" / "__init__.py").write_text("")
     return {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
 
 
 def test_registry_apex_is_named_as_the_unrelated_package(registry_apex, data, tmp_path):
-    proc = run([PYTHON, script(7), *data, "--out-dir", tmp_path / "run", "--amp-backend", "apex"], check=False,
-               **registry_apex)
-    assert_one_line_error(proc, "the apex in ", "is the unrelated registry package of that name, not NVIDIA Apex",
+    proc = run([PYTHON, script(7), *data, "--out-dir", tmp_path / "run", "--amp-backend", "apex"],
+               check=False, **registry_apex)
+    assert_one_line_error(proc, "the apex in ",
+                          "is the unrelated registry package of that name, not NVIDIA Apex",
                           "pip uninstall apex")
 
 
@@ -218,19 +232,22 @@ if rank == 0:
                              for n, t in whole.items() if n.startswith("master ")), "fp32 copies of fp16 weights")
 print(f"rank {rank} resumed:", f"{len(different)} DIFFER, e.g. {different[:3]}" if different else "equal")
 dist.destroy_process_group()
-"""
+"""  # noqa: E501 (a script of its own: its lines as written)
 
 
 def test_the_legacy_path_at_o2_syncs_buffers_and_resumes_bit_for_bit(tmp_path):
-    """With stand-ins of Apex's interface at O2 and the default model (batch norm), on 2 ranks: apex's DDP broadcasts
-    parameters only, so 07's legacy lines must leave every rank with rank 0's buffers, as 04's DDP does; and O2 trains
-    fp32 master weights the model holds only rounded to fp16, so a resumed run must restore the masters and their
-    momentum exactly (the checkpoint holds them) and end as the uninterrupted run does, bit for bit."""
+    """With stand-ins of Apex's interface at O2 and the default model (batch norm), on 2 ranks:
+    apex's DDP broadcasts parameters only, so 07's legacy lines must leave every rank with rank 0's
+    buffers, as 04's DDP does; and O2 trains fp32 master weights the model holds only rounded to
+    fp16, so a resumed run must restore the masters and their momentum exactly (the checkpoint holds
+    them) and end as the uninterrupted run does, bit for bit."""
     stand_in = tmp_path / "apex_stand_in.py"
     stand_in.write_text(APEX_STAND_IN)
-    proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in, script(7),
-                tmp_path / "out"])
-    for line in ("buffers 60 equal", "parameters equal", "O2 masters: 22 fp32 copies of fp16 weights",
-                 "rank 0 resumed: equal", "rank 1 resumed: equal", "rank 0 amp state loaded at O2 1, at O3 0",
+    proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in,
+                script(7), tmp_path / "out"])
+    for line in ("buffers 60 equal", "parameters equal",
+                 "O2 masters: 22 fp32 copies of fp16 weights",
+                 "rank 0 resumed: equal", "rank 1 resumed: equal",
+                 "rank 0 amp state loaded at O2 1, at O3 0",
                  "rank 1 amp state loaded at O2 1, at O3 0", "saved at O3: None"):
         assert line in proc.output, proc.output[-3000:]

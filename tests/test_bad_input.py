@@ -61,17 +61,19 @@ def bad_cases(tmp_path, cifar_dir):
         "out-dir-unwritable": (["--out-dir", tmp_path / "a-file" / "out"], "--out-dir"),
         "resume-missing": (["--resume", tmp_path / "nope.pt"], "no such file"),
         "resume-corrupt": (["--resume", tmp_path / "corrupt.pt"], "not a readable checkpoint"),
-        "resume-foreign": (["--resume", tmp_path / "foreign.pt"], "not a checkpoint of this collection"),
+        "resume-foreign": (["--resume", tmp_path / "foreign.pt"],
+                           "not a checkpoint of this collection"),
         "batch-larger-than-data": (["--batch-size", "5000"], "training images"),
     }
 
 
 @pytest.fixture
 def default_port_taken():
-    """Another job on this machine holds torch's default port, 29500 (or something already does): a step started
-    without a launcher (a group of one, or --spawn) must not need it."""
+    """Another job on this machine holds torch's default port, 29500 (or something already does): a
+    step started without a launcher (a group of one, or --spawn) must not need it."""
     with socket.socket() as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an old connection's TIME_WAIT does not stop it
+        # an old connection's TIME_WAIT does not stop it
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         with contextlib.suppress(OSError):  # taken already: as good
             held.bind(("127.0.0.1", 29500))
             held.listen()
@@ -82,12 +84,14 @@ def default_port_taken():
 def test_runtime_errors_single_process(name, tmp_path, cifar_dir, capsys):
     module = load_script(name)
     for case, (extra, complaint) in bad_cases(tmp_path, cifar_dir).items():
-        argv = ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / "out", *extra]
+        argv = ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / "out",
+                *extra]
         with pytest.raises(SystemExit) as exit_:
             module.main([str(a) for a in argv])
         err = capsys.readouterr().err.strip()
         assert exit_.value.code == 2, case
-        assert err.startswith("error:") and complaint in err and len(err.splitlines()) == 1, (case, err)
+        assert (err.startswith("error:") and complaint in err
+                and len(err.splitlines()) == 1), (case, err)
 
 
 # One interpreter calls a distributed script's main() once per bad input (as a single process,
@@ -118,37 +122,43 @@ print(json.dumps(results))
 """
 
 
-# What only one step refuses on a CPU, before it writes anything: the same one line, and no --out-dir made.
+# What only one step refuses on a CPU, before it writes anything: the same one line, and no
+# --out-dir made.
 REFUSED_ON_CPU = {
     "04": {"sync-bn-on-the-cpu": (["--sync-bn"], ["--sync-bn needs CUDA or XPU GPUs"])},
     "05": {"fp16-on-the-cpu": (["--amp", "fp16"],
                                ["--amp fp16 needs a GPU; on the CPU use --amp bf16 or --amp off"])},
-    "07": {"apex-not-installed": (["--amp-backend", "apex"], ["NVIDIA Apex is not installed", "25.05",
-                                                              "from source on a CUDA machine", "NGC PyTorch container",
-                                                              "--amp-backend torch"])},
+    "07": {"apex-not-installed": (["--amp-backend", "apex"],
+                                  ["NVIDIA Apex is not installed", "25.05",
+                                   "from source on a CUDA machine", "NGC PyTorch container",
+                                   "--amp-backend torch"])},
 }
 
 
 @pytest.mark.parametrize("name", [n for n in SCRIPTS if n[:2] in ("04", "05", "06", "07", "08")])
 def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir, default_port_taken):
     refused = REFUSED_ON_CPU.get(name[:2], {})
-    bad = {case: (extra, [complaint]) for case, (extra, complaint) in bad_cases(tmp_path, cifar_dir).items()}
-    cases = {case: [str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1", "--out-dir", tmp_path / case,
-                                     *extra]]
+    bad = {case: (extra, [complaint])
+           for case, (extra, complaint) in bad_cases(tmp_path, cifar_dir).items()}
+    cases = {case: [str(a) for a in ["--data-dir", cifar_dir, *SMOKE, "--epochs", "1",
+                                     "--out-dir", tmp_path / case, *extra]]
              for case, (extra, _) in {**bad, **refused}.items()}
     proc = run([PYTHON, "-c", DRIVER, REPO / name, json.dumps(cases)], timeout=300)
     results = json.loads(proc.output.strip().splitlines()[-1])
     for case, (_, complaints) in {**bad, **refused}.items():
         code, err = results[case]
-        lines = [line for line in err.strip().splitlines() if "Warning" not in line and line.strip()]
+        lines = [line for line in err.strip().splitlines()
+                 if "Warning" not in line and line.strip()]
         assert code == 2 and "Traceback" not in err, (case, err)
-        assert len(lines) == 1 and "error:" in lines[0] and all(c in lines[0] for c in complaints), (case, err)
+        assert (len(lines) == 1 and "error:" in lines[0]
+                and all(c in lines[0] for c in complaints)), (case, err)
     for case in refused:
         assert results[case][1].strip().startswith("error:"), results[case]
         assert not (tmp_path / case).exists(), f"{case}: nothing is written before the check"
 
 
-# Every launcher the README documents, with a step it starts: launcher, processes, step, the step's own flags.
+# Every launcher the README documents, with a step it starts: launcher, processes, step, the step's
+# own flags.
 LAUNCHED = {"python": ("python", 1, 1, []), "spawn": ("python", 1, 4, ["--spawn", "2"]),
             "torchrun": ("torchrun", 2, 4, []), "legacy": ("legacy", 2, 4, []),
             "deepspeed": ("deepspeed", 2, 5, []), "horovodrun": ("horovodrun", 2, 6, [])}
@@ -157,58 +167,72 @@ OUR_FRAMES = re.compile(r'File "[^"]*(0\d_cifar10_\w+\.py|common/\w+\.py)", line
 
 @pytest.mark.parametrize("failure", ["offline-no-data", "bad-checkpoint"])
 @pytest.mark.parametrize("launcher", LAUNCHED)
-def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure, tmp_path, cifar_dir,
-                                                              default_port_taken):
-    """The README's first command on a machine without internet (no data, no download), and a bad --resume: the
-    cause in one line among the last 10 the user sees, no traceback of our code, the other rank silent or one
-    "stopping:" line. torchrun (and the legacy launcher, which is torchrun) closes with its own report, which
-    names our line (from the error file it gives each process); horovodrun closes with a traceback of its own
-    code (~20 lines) after which nothing of ours can come: there our line is among the last of our processes'."""
+def test_a_failure_is_one_line_at_the_end_under_every_launcher(launcher, failure, tmp_path,
+                                                              cifar_dir, default_port_taken):
+    """The README's first command on a machine without internet (no data, no download), and a bad
+    --resume: the cause in one line among the last 10 the user sees, no traceback of our code, the
+    other rank silent or one "stopping:" line. torchrun (and the legacy launcher, which is torchrun)
+    closes with its own report, which names our line (from the error file it gives each process);
+    horovodrun closes with a traceback of its own code (~20 lines) after which nothing of ours can
+    come: there our line is among the last of our processes'."""
     name, nproc, number, flags = LAUNCHED[launcher]  # 2 ranks but under plain python
     (tmp_path / "bad.pt").write_bytes(b"garbage")
     args, cause = {"offline-no-data": (["--data-dir", tmp_path / "empty"], "CIFAR-10 is not in"),
                    "bad-checkpoint": (["--data-dir", cifar_dir, "--resume", tmp_path / "bad.pt"],
                                       "bad.pt is not a checkpoint")}[failure]
-    proc = run([*launch_command(name, nproc, number), *flags, *args, *SMOKE, "--out-dir", tmp_path / "out"],
+    proc = run([*launch_command(name, nproc, number), *flags, *args, *SMOKE,
+                "--out-dir", tmp_path / "out"],
                check=False, timeout=120, DS_ACCELERATOR="cpu")
     lines = proc.output.strip().splitlines()
     assert proc.returncode != 0 and not OUR_FRAMES.search(proc.output), proc.output
     if launcher == "horovodrun":
-        lines = [line for line in lines if line.startswith(("[0]<", "[1]<"))]  # what our processes printed
+        # what our processes printed
+        lines = [line for line in lines if line.startswith(("[0]<", "[1]<"))]
     assert any(cause in line for line in lines[-10:]), proc.output
     others = [line for line in proc.output.splitlines() if "error:" in line and cause not in line]
-    stopping = [line for line in proc.output.splitlines() if re.match(r"(\[\d\]<std\w+>:)?stopping:", line)]
-    assert len(others) <= 1 and len(stopping) <= (launcher != "python"), proc.output  # spawn: "rank 0 exited"
-    if failure == "offline-no-data" and launcher != "python":  # both ranks ran: the other one says why it stops
+    stopping = [line for line in proc.output.splitlines()
+                if re.match(r"(\[\d\]<std\w+>:)?stopping:", line)]
+    # spawn: "rank 0 exited"
+    assert len(others) <= 1 and len(stopping) <= (launcher != "python"), proc.output
+    # both ranks ran: the other one says why it stops
+    if failure == "offline-no-data" and launcher != "python":
         assert stopping or "[rank 1] error:" in proc.output, proc.output
     if launcher in ("torchrun", "legacy"):
-        root_cause = proc.output.partition("Root Cause")[2]  # a rank torchrun stopped is listed above it, <N/A>
+        # a rank torchrun stopped is listed above it, <N/A>
+        root_cause = proc.output.partition("Root Cause")[2]
         assert cause in root_cause and "<N/A>" not in root_cause, proc.output
     if failure == "offline-no-data":
-        assert "python scripts/synthetic.py" in proc.output and "cifar-10-python.tar.gz" in proc.output
+        assert ("python scripts/synthetic.py" in proc.output
+                and "cifar-10-python.tar.gz" in proc.output)
 
 
 def test_a_fresh_run_into_another_runs_folder_is_refused_and_loses_nothing(tmp_path, data, run01):
-    """The folder of a finished run (run01: epochs 1-2) and a fresh run of another step pointed at it: one line
-    that names the three ways on, exit 2, and the earlier run's files as they were."""
+    """The folder of a finished run (run01: epochs 1-2) and a fresh run of another step pointed at
+    it: one line that names the three ways on, exit 2, and the earlier run's files as they were."""
     shutil.copytree(run01, tmp_path / "run")
     before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
-    proc = torchrun(2, 4, *data, "--epochs", "1", "--out-dir", tmp_path / "run", check=False, timeout=120)
-    assert proc.returncode != 0 and 'cifar10_ddp.py", line' not in proc.output, proc.output  # no traceback of ours
-    assert f"error: --out-dir {tmp_path / 'run'} already holds a run (checkpoint-epoch0002.pt): continue it with " \
-           "--resume auto, write to another --out-dir, or replace it with --overwrite" in proc.output, proc.output
+    proc = torchrun(2, 4, *data, "--epochs", "1", "--out-dir", tmp_path / "run", check=False,
+                    timeout=120)
+    # no traceback of ours
+    assert proc.returncode != 0 and 'cifar10_ddp.py", line' not in proc.output, proc.output
+    assert (f"error: --out-dir {tmp_path / 'run'} already holds a run (checkpoint-epoch0002.pt): "
+            "continue it with --resume auto, write to another --out-dir, "
+            "or replace it with --overwrite" in proc.output), proc.output
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
 
 
 def test_a_bad_argument_under_a_launcher_is_said_once(tmp_path, cifar_dir):
-    proc = torchrun(2, 4, "--data-dir", cifar_dir, "--epochs", "0", "--out-dir", tmp_path, check=False, timeout=120)
-    assert proc.returncode != 0 and proc.output.count("error: argument --epochs: must be positive, got 0") == 1, \
-        proc.output
-    assert proc.output.count("usage: 04_cifar10_ddp.py") == 1 and 'cifar10_ddp.py", line' not in proc.output
+    proc = torchrun(2, 4, "--data-dir", cifar_dir, "--epochs", "0", "--out-dir", tmp_path,
+                    check=False, timeout=120)
+    assert proc.returncode != 0 and proc.output.count(
+        "error: argument --epochs: must be positive, got 0") == 1, proc.output
+    assert (proc.output.count("usage: 04_cifar10_ddp.py") == 1
+            and 'cifar10_ddp.py", line' not in proc.output)
 
 
 def exit_of(error):
-    """Raise `error` in a main() wrapped by common.cli.exits_cleanly, as every script's main is; its exit status."""
+    """Raise `error` in a main() wrapped by common.cli.exits_cleanly, as every script's main is; its
+    exit status."""
     from common.cli import exits_cleanly
 
     @exits_cleanly
@@ -221,22 +245,25 @@ def exit_of(error):
 
 
 def test_a_group_that_cannot_connect_is_one_line(capsys):
-    """What gloo raises in init_process_group when a peer is gone while the group forms (seen in a torchrun
-    restart here): one line, exit 2, not the traceback of our setup()."""
-    status = exit_of(RuntimeError("Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:152] timed out "
-                                  "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:31155"))
+    """What gloo raises in init_process_group when a peer is gone while the group forms (seen in a
+    torchrun restart here): one line, exit 2, not the traceback of our setup()."""
+    status = exit_of(RuntimeError("Gloo connectFullMesh failed with "
+                                  "[../gloo/transport/tcp/pair.cc:152] timed out connecting: "
+                                  "SO_ERROR: Connection refused, remote=[127.0.0.1]:31155"))
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith("error: cannot connect to the other processes (Gloo connectFullMesh failed") and \
-        "Connection refused" in err, err
+    assert (err.startswith("error: cannot connect to the other processes "
+                           "(Gloo connectFullMesh failed")
+            and "Connection refused" in err), err
 
 
 def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch):
-    """torchrun's report (torch's own ChildFailedError) when the failures fall into one second: it lists the ranks
-    that exited by themselves first, in rank order, then those it stopped, and a tie goes to the first listed. The
-    Root Cause must still be our line: over a lower rank that says it stops because another failed, and over a
-    rank torchrun stopped before it wrote anything; and a cause rank killed without a word (SIGKILL, no error file)
-    must not lose to a lower rank's stopping line."""
+    """torchrun's report (torch's own ChildFailedError) when the failures fall into one second: it
+    lists the ranks that exited by themselves first, in rank order, then those it stopped, and a tie
+    goes to the first listed. The Root Cause must still be our line: over a lower rank that says it
+    stops because another failed, and over a rank torchrun stopped before it wrote anything; and a
+    cause rank killed without a word (SIGKILL, no error file) must not lose to a lower rank's
+    stopping line."""
     import signal
     import time
 
@@ -247,15 +274,18 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: 1_000_000.5)  # every failure in the same second
 
     def failure(local_rank, error=None, exitcode=2):
-        """What torchrun records for a rank: exit status and the error file our exits_cleanly wrote (or none)."""
+        """What torchrun records for a rank: exit status and the error file our exits_cleanly wrote
+        (or none)."""
         error_file = tmp_path / f"{local_rank}.json"
         if error is not None:
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
             assert exit_of(error) == exitcode
-        return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=exitcode, error_file=str(error_file))
+        return ProcessFailure(local_rank, pid=100 + local_rank, exitcode=exitcode,
+                              error_file=str(error_file))
 
     def root_cause(*failures):
-        return ChildFailedError("04_cifar10_ddp.py", {f.local_rank: f for f in failures}).get_first_failure()[0]
+        return ChildFailedError("04_cifar10_ddp.py",
+                                {f.local_rank: f for f in failures}).get_first_failure()[0]
 
     caused = failure(1, UserError("bad.pt is not a checkpoint"))
     assert root_cause(failure(0, RuntimeError(PEER_LOST[0])), caused) == 1

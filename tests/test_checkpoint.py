@@ -22,12 +22,14 @@ for epoch in range(1, 1000):
     checkpoint.save(sys.argv[1], step="test", arch="cnn", epoch=epoch, global_step=epoch, model_state={"w": big + epoch},
                     keep=1000)
     print(epoch, flush=True)
-"""
-BIG = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # what WRITER's checkpoints hold, less epoch
+"""  # noqa: E501 (a script of its own: its lines as written)
+# what WRITER's checkpoints hold, less epoch
+BIG = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
 
 
 def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
-    """Kill a process that is busy saving, at several moments: what is under a checkpoint name loads."""
+    """Kill a process that is busy saving, at several moments:
+    what is under a checkpoint name loads."""
     for delay in (0.0, 0.15, 0.4, 0.9):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, env=env(),
                                 stdout=subprocess.PIPE, text=True)
@@ -39,7 +41,8 @@ def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
         assert names, "the first complete checkpoint must survive"
         for path in names:
             state = torch.load(path, weights_only=True)
-            assert torch.equal(state["model"]["w"], BIG + state["epoch"]), f"{path} holds other numbers"
+            assert torch.equal(state["model"]["w"], BIG + state["epoch"]), (
+                f"{path} holds other numbers")
         newest = torch.load(names[0], weights_only=True)
         assert newest["epoch"] == int(os.path.basename(names[0])[16:20])
 
@@ -51,7 +54,8 @@ def test_resume_auto_skips_a_damaged_newest_file(tmp_path, capsys):
                         model_state=model.state_dict())
     with open(checkpoint.checkpoint_path(str(tmp_path), 2), "r+b") as f:
         f.truncate(100)  # e.g. a disk that filled up under a tool that did not write atomically
-    assert checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"), model=model) == (1, 1, {})
+    args = SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn")
+    assert checkpoint.resume(args, model=model) == (1, 1, {})
     assert "skipping" in capsys.readouterr().err
 
 
@@ -96,17 +100,20 @@ def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
 
 def resumed(path, **objects):
     """checkpoint.resume of the file at `path`, as --resume PATH does it."""
-    return checkpoint.resume(SimpleNamespace(resume=str(path), out_dir=os.path.dirname(path), arch="cnn"), **objects)
+    args = SimpleNamespace(resume=str(path), out_dir=os.path.dirname(path), arch="cnn")
+    return checkpoint.resume(args, **objects)
 
 
 def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_path, capsys):
-    """05 writes (and reads) weights only: a step that resumes its checkpoint says that momentum starts from zero."""
+    """05 writes (and reads) weights only:
+    a step that resumes its checkpoint says that momentum starts from zero."""
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1, global_step=5,
-                           model_state=model.state_dict())
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1,
+                           global_step=5, model_state=model.state_dict())
     resumed(path, model=model, optimizer=optimizer)
-    assert "written by 05_cifar10_deepspeed): weights only, momentum starts from zero" in capsys.readouterr().out
+    assert ("written by 05_cifar10_deepspeed): weights only, momentum starts from zero"
+            in capsys.readouterr().out)
     checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=2, global_step=10,
                     model_state=model.state_dict(), optimizer=optimizer)
     resumed(checkpoint.checkpoint_path(str(tmp_path), 2), model=model, optimizer=optimizer)
@@ -114,15 +121,17 @@ def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_pat
 
 
 def test_resumed_optimizer_state_has_its_parameter_s_layout(tmp_path):
-    """Checkpoints store tensors plainly; a channels_last model's momentum comes back channels_last, like its
-    parameter (Apex's fused SGD combines them in memory order), and the resumed run still steps bit for bit alike."""
+    """Checkpoints store tensors plainly; a channels_last model's momentum comes back channels_last,
+    like its parameter (Apex's fused SGD combines them in memory order), and the resumed run still
+    steps bit for bit alike."""
     def model_and_optimizer():
         torch.manual_seed(0)
         model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(model, optimizer):
-        model(torch.ones(2, 3, 5, 5).to(memory_format=torch.channels_last)).square().sum().backward()
+        images = torch.ones(2, 3, 5, 5).to(memory_format=torch.channels_last)
+        model(images).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -130,15 +139,17 @@ def test_resumed_optimizer_state_has_its_parameter_s_layout(tmp_path):
     step(model, optimizer)
     path = checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=1, global_step=1,
                            model_state=model.state_dict(), optimizer=optimizer)
-    assert not torch.load(path, weights_only=True)["optimizer"]["state"][0]["momentum_buffer"].is_contiguous(
-        memory_format=torch.channels_last), "saved plainly"
+    saved = torch.load(path, weights_only=True)["optimizer"]["state"][0]["momentum_buffer"]
+    assert not saved.is_contiguous(memory_format=torch.channels_last), "saved plainly"
     again, its_optimizer = model_and_optimizer()
     resumed(path, model=again, optimizer=its_optimizer)
     weight = again.weight
-    assert its_optimizer.state[weight]["momentum_buffer"].stride() == weight.stride() != (27, 9, 3, 1)
+    assert (its_optimizer.state[weight]["momentum_buffer"].stride() == weight.stride()
+            != (27, 9, 3, 1))
     step(model, optimizer)
     step(again, its_optimizer)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
 def fresh_schedule(epochs=10, steps_per_epoch=10):
@@ -146,7 +157,8 @@ def fresh_schedule(epochs=10, steps_per_epoch=10):
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(epochs, steps_per_epoch, 1))
+    schedule = warmup_cosine(epochs, steps_per_epoch, 1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_path):
@@ -155,8 +167,8 @@ def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_pa
     for _ in range(30):
         optimizer.step()
         stepped.step()
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=3, global_step=30,
-                           model_state=model.state_dict())
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=3,
+                           global_step=30, model_state=model.state_dict())
     model, optimizer, placed = fresh_schedule()
     assert resumed(path, model=model, optimizer=optimizer, scheduler=placed) == (3, 30, {})
     assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
@@ -166,36 +178,46 @@ def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_pa
 
 
 @pytest.mark.parametrize("saved_schedule", [True, False], ids=["with-schedule", "export"])
-def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, capsys, saved_schedule):
-    """2 of 4 epochs done at 25 steps per epoch (global step 50) is half the run: in a run of 4 epochs at 10 steps
-    per epoch that is step 20 (not 50, which would be past its end: learning rate 0, and the weights would never
-    move again)."""
+def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, capsys,
+                                                                    saved_schedule):
+    """2 of 4 epochs done at 25 steps per epoch (global step 50) is half the run: in a run of 4
+    epochs at 10 steps per epoch that is step 20 (not 50, which would be past its end: learning rate
+    0, and the weights would never move again)."""
     model, optimizer, before = fresh_schedule(4, 25)
     for _ in range(50):
         optimizer.step()
         before.step()
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=2, global_step=50,
-                           model_state=model.state_dict(), scheduler=before if saved_schedule else None,
+    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=2,
+                           global_step=50, model_state=model.state_dict(),
+                           scheduler=before if saved_schedule else None,
                            metrics={"epoch": 2, "steps": 25})
     model, optimizer, placed = fresh_schedule(4, 10)
     assert resumed(path, model=model, optimizer=optimizer, scheduler=placed) == (2, 20, {})
-    assert placed.last_epoch == 20 and placed.get_last_lr() == pytest.approx(before.get_last_lr()) != [0.0]
-    assert "ran 25 optimizer steps per epoch, this run 10: the learning-rate schedule continues by progress, " \
-           "at step 20 (epochs done: 2), not at the checkpoint's step 50" in capsys.readouterr().out
+    assert (placed.last_epoch == 20
+            and placed.get_last_lr() == pytest.approx(before.get_last_lr()) != [0.0])
+    assert ("ran 25 optimizer steps per epoch, this run 10: the learning-rate schedule continues "
+            "by progress, at step 20 (epochs done: 2), not at the checkpoint's step 50"
+            in capsys.readouterr().out)
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(tmp_path, monkeypatch):
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(tmp_path,
+                                                                               monkeypatch):
     model = torch.nn.Linear(2, 2)
-    checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=1, global_step=1, model_state=model.state_dict())
+    checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=1, global_step=1,
+                    model_state=model.state_dict())
 
     def disk_full(obj, f, *args, **kwargs):  # what torch's zip writer raises when the disk fills up
         f.write(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . "
+                           "PytorchStreamWriter failed writing file")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(UserError, match="cannot write checkpoint .*disk full.*previous checkpoints are untouched"):
-        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=2, global_step=2, model_state=model.state_dict())
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch0001.pt"], "no partial file may be left behind"
+    with pytest.raises(UserError, match="cannot write checkpoint .*disk full.*"
+                                        "previous checkpoints are untouched"):
+        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=2, global_step=2,
+                        model_state=model.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch0001.pt"], (
+        "no partial file may be left behind")
 
 
 def test_leftovers_of_a_killed_save_and_old_digests_are_removed_at_the_next_start(tmp_path):
@@ -209,15 +231,19 @@ def test_leftovers_of_a_killed_save_and_old_digests_are_removed_at_the_next_star
 def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
     from common import data, metrics
 
-    log = metrics.Log("test", SimpleNamespace(out_dir=str(tmp_path), epochs=1), 0, data.Info(num_classes=10))
-    log.epoch({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5, "images_per_sec": 1, "epoch_seconds": 1})
-    os.mkdir(tmp_path / metrics.PLOT)  # savefig cannot replace a folder: an OSError, as on a full disk
+    log = metrics.Log("test", SimpleNamespace(out_dir=str(tmp_path), epochs=1), 0,
+                      data.Info(num_classes=10))
+    log.epoch({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5,
+               "images_per_sec": 1, "epoch_seconds": 1})
+    # savefig cannot replace a folder: an OSError, as on a full disk
+    os.mkdir(tmp_path / metrics.PLOT)
     assert metrics.plot(str(tmp_path), "test") is None
     assert "warning: could not draw" in capsys.readouterr().err
 
 
 def an_earlier_run(folder):
-    """A folder as a finished run leaves it: checkpoints of epochs 4-6, step 05's engine folder, metrics."""
+    """A folder as a finished run leaves it:
+    checkpoints of epochs 4-6, step 05's engine folder, metrics."""
     folder.mkdir(exist_ok=True)
     for epoch in (4, 5, 6):
         (folder / f"checkpoint-epoch{epoch:04d}.pt").write_bytes(b"an earlier run")
@@ -230,15 +256,18 @@ def an_earlier_run(folder):
 
 def test_a_fresh_run_refuses_a_folder_holding_another_run(tmp_path):
     before = an_earlier_run(tmp_path / "out")
-    with pytest.raises(UserError, match=r"already holds a run \(checkpoint-epoch0006.pt\): continue it with "
-                                         r"--resume auto, write to another --out-dir, or replace it with --overwrite"):
+    with pytest.raises(UserError, match=r"already holds a run \(checkpoint-epoch0006.pt\): "
+                                        r"continue it with --resume auto, write to another "
+                                        r"--out-dir, or replace it with --overwrite"):
         checkpoint.make_out_dir(str(tmp_path / "out"))
     elsewhere = tmp_path / "checkpoint-epoch0001.pt"
-    with pytest.raises(UserError, match="would mix two runs"):  # the newest-3 rule would delete its new epochs
+    # the newest-3 rule would delete its new epochs
+    with pytest.raises(UserError, match="would mix two runs"):
         checkpoint.make_out_dir(str(tmp_path / "out"), resume=str(elsewhere))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
     checkpoint.make_out_dir(str(tmp_path / "out"), resume="auto")  # continuing it: its own folder
-    checkpoint.make_out_dir(str(tmp_path / "out"), resume=str(tmp_path / "out" / "checkpoint-epoch0006.pt"))
+    checkpoint.make_out_dir(str(tmp_path / "out"),
+                            resume=str(tmp_path / "out" / "checkpoint-epoch0006.pt"))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
 
 
@@ -249,18 +278,21 @@ def test_overwrite_replaces_the_earlier_run_and_nothing_else(tmp_path, capsys):
     assert "--overwrite: replacing the run in" in capsys.readouterr().out
     an_earlier_run(tmp_path / "again")
     with pytest.raises(UserError, match="--overwrite would delete --resume"):
-        checkpoint.make_out_dir(str(tmp_path / "again"), str(tmp_path / "again" / "checkpoint-epoch0005.pt"), True)
+        checkpoint.make_out_dir(str(tmp_path / "again"),
+                                str(tmp_path / "again" / "checkpoint-epoch0005.pt"), True)
 
 
 @pytest.mark.parametrize("resume", ["typo.pt", "ds_checkpoints/epoch0009", ""])
-def test_a_resume_path_that_does_not_exist_stops_before_overwrite_deletes_anything(tmp_path, resume):
-    """--resume of a mistyped path (or an empty $VARIABLE) with --overwrite: the one line says there is no such file,
-    before --overwrite has touched the run in --out-dir."""
+def test_a_resume_path_that_does_not_exist_stops_before_overwrite_deletes_anything(tmp_path,
+                                                                                   resume):
+    """--resume of a mistyped path (or an empty $VARIABLE) with --overwrite: the one line says there
+    is no such file, before --overwrite has touched the run in --out-dir."""
     from common.cli import shared_parser
 
     before = an_earlier_run(tmp_path / "out")
     args = shared_parser("test", "test", {"cnn": None}).parse_args(
-        ["--out-dir", str(tmp_path / "out"), "--resume", resume and str(tmp_path / "out" / resume), "--overwrite"])
+        ["--out-dir", str(tmp_path / "out"), "--resume", resume and str(tmp_path / "out" / resume),
+         "--overwrite"])
     with pytest.raises(UserError, match="no such file"):
         checkpoint.settings(args).apply(args)
         checkpoint.resume(args)
@@ -271,31 +303,36 @@ def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(
     model = torch.nn.Linear(2, 2)
     checkpoint.save(str(tmp_path), step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
                     model_state=model.state_dict())
-    with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run \(.*pass --arch resnet18"):
-        checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"), model=model)
+    with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run "
+                                        r"\(.*pass --arch resnet18"):
+        checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"),
+                          model=model)
 
 
 
 def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, monkeypatch, capsys):
-    """--resume: the run's settings come from its checkpoint, read by rank 0 alone once the processes can talk
-    (checkpoint.settings); the others get them, or rank 0's error, by a broadcast that the step makes (on hosts
-    without a shared disk they could not read the file) and apply them. Parsing reads nothing."""
+    """--resume: the run's settings come from its checkpoint, read by rank 0 alone once the
+    processes can talk (checkpoint.settings); the others get them, or rank 0's error, by a broadcast
+    that the step makes (on hosts without a shared disk they could not read the file) and apply
+    them. Parsing reads nothing."""
     from common.cli import shared_parser
 
     parse = shared_parser("test", "test", {"resnet18": None, "cnn": None}).parse_args
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
-    assert parse(["--resume", str(tmp_path / "garbage.pt")]).resume.endswith("garbage.pt")  # no error yet
+    # no error yet
+    assert parse(["--resume", str(tmp_path / "garbage.pt")]).resume.endswith("garbage.pt")
     run = tmp_path / "run"
     run.mkdir()
     checkpoint.save(str(run), step="test", arch="cnn", epoch=1, global_step=5, model_state={},
                     args=parse(["--batch-size", "16", "--epochs", "7", "--arch", "cnn"]))
     args = parse(["--resume", "auto", "--out-dir", str(run), "--epochs", "9"])
-    assert (args.batch_size, args.epochs, args.arch) == (128, 9, "resnet18")  # the defaults, until settings are applied
+    # the defaults, until settings are applied
+    assert (args.batch_size, args.epochs, args.arch) == (128, 9, "resnet18")
     verdict = checkpoint.settings(args)  # rank 0
     verdict.apply(args)
     assert (args.batch_size, args.epochs, args.arch) == (16, 9, "cnn"), "typed settings win"
-    assert "note: --epochs 9, the checkpoint's run had 7: the learning-rate schedule is stretched to 9 epochs" \
-        in capsys.readouterr().out
+    assert ("note: --epochs 9, the checkpoint's run had 7: the learning-rate schedule is stretched "
+            "to 9 epochs") in capsys.readouterr().out
     monkeypatch.setenv("RANK", "1")  # another rank, on a host where the folder does not exist
     other = parse(["--resume", "auto", "--out-dir", str(tmp_path / "not-here"), "--epochs", "9"])
     verdict.apply(other)  # what the broadcast brought it

@@ -1,28 +1,33 @@
-"""The training order of every distributed step: common/data.py's EpochSampler over torch's DistributedSampler, the
-pair 04-08 build (`EpochSampler(DistributedSampler(train_set, shuffle=True, seed=args.seed), batch x accumulation)`;
-that the steps build it so, their runs hold: tests/test_preemption.py), stated as the facts the steps rely on: disjoint shards from one permutation that every rank computes alone from (seed, epoch), a new
-one each epoch only through set_epoch, whole optimizer steps, and a resumed epoch that goes on where it stopped.
+"""The training order of every distributed step: common/data.py's EpochSampler over torch's
+DistributedSampler, the pair 04-08 build
+(`EpochSampler(DistributedSampler(train_set, shuffle=True, seed=args.seed), batch x accumulation)`;
+that the steps build it so, their runs hold: tests/test_preemption.py), stated as the facts the
+steps rely on: disjoint shards from one permutation that every rank computes alone from (seed,
+epoch), a new one each epoch only through set_epoch, whole optimizer steps, and a resumed epoch that
+goes on where it stopped.
 """
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data
 
-N, STEP = 20, 3  # 20 images on 2 ranks: 10 each, 3 whole optimizer steps of 3 images, 1 image left this epoch
+# 20 images on 2 ranks: 10 each, 3 whole optimizer steps of 3 images, 1 image left this epoch
+N, STEP = 20, 3
 
 
 def shards(world_size, epoch=1, part=None, seed=0):
     out = []
     for rank in range(world_size):
-        sampler = data.EpochSampler(DistributedSampler(range(N), num_replicas=world_size, rank=rank, shuffle=True,
-                                                       seed=seed), STEP)
+        sampler = data.EpochSampler(DistributedSampler(range(N), num_replicas=world_size, rank=rank,
+                                                       shuffle=True, seed=seed), STEP)
         sampler.set_epoch(epoch, part)
         out.append(list(sampler))
     return out
 
 
 def test_ranks_take_disjoint_whole_steps_of_one_permutation_computed_alone():
-    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0 + 5)).tolist()  # seed + epoch, no messages
+    # seed + epoch, no messages
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0 + 5)).tolist()
     assert shards(2, epoch=5) == [perm[0::2][:9], perm[1::2][:9]]
     assert set(shards(2)[0]).isdisjoint(shards(2)[1])
 

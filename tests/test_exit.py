@@ -1,27 +1,32 @@
-"""Every run exits: within seconds of its last line, with DataLoader workers, whatever its number of epochs.
+"""Every run exits: within seconds of its last line, with DataLoader workers, for any epoch count.
 
-A run's DataLoader workers keep SIGTERM blocked (a Slurm signal to every process must not kill them, common/preempt.py),
-and multiprocessing's exit handler ends such children with SIGTERM and waits for them: a loader still alive at exit
-made it wait forever. Whether it was alive depended on when the garbage collector ran: step 01 with 2 workers hung
-after 3 epochs and exited after 2 or 4. The exit now ends them with SIGKILL first, and a process still exiting
-common.cli.EXIT_WAIT seconds later (a thread or child that does not end) ends with one line and exit status 1.
-(Stopped by SIGTERM with workers: tests/test_preemption.py times that exit the same way.)
+A run's DataLoader workers keep SIGTERM blocked (a Slurm signal to every process must not kill them,
+common/preempt.py), and multiprocessing's exit handler ends such children with SIGTERM and waits for
+them: a loader still alive at exit made it wait forever. Whether it was alive depended on when the
+garbage collector ran: step 01 with 2 workers hung after 3 epochs and exited after 2 or 4. The exit
+now ends them with SIGKILL first, and a process still exiting common.cli.EXIT_WAIT seconds later (a
+thread or child that does not end) ends with one line and exit status 1. (Stopped by SIGTERM with
+workers: tests/test_preemption.py times that exit the same way.)
 """
 import pytest
 
 from helpers import EXIT_GRACE, PYTHON, REPO, Output, as_typed, readme_command, start
 
-# (step, epochs): each step under its README command, with 2, 3 or 4 epochs; 01 and 02 with 3, where they hung.
+# (step, epochs): each step under its README command, with 2, 3 or 4 epochs; 01 and 02 with 3, where
+# they hung.
 CASES = [(1, 3), (2, 3), (3, 3), (4, 3), (5, 2), (6, 4), (7, 3), (8, 4), (1, 2)]
 
 
 @pytest.mark.parametrize("number,epochs", CASES, ids=[f"{n:02d}-{e}epochs" for n, e in CASES])
-def test_a_run_with_loader_workers_ends_within_seconds_of_its_last_epoch(number, epochs, tiny_data, tmp_path):
-    cmd, port = as_typed(readme_command(number), *tiny_data, "--arch", "cnn", "--workers", "2", "--epochs", epochs,
-                         "--batch-size", "2", "--out-dir", tmp_path)
+def test_a_run_with_loader_workers_ends_within_seconds_of_its_last_epoch(number, epochs, tiny_data,
+                                                                         tmp_path):
+    cmd, port = as_typed(readme_command(number), *tiny_data, "--arch", "cnn", "--workers", "2",
+                         "--epochs", epochs, "--batch-size", "2", "--out-dir", tmp_path)
     output = Output(start(cmd, PET_MASTER_PORT=port, DS_ACCELERATOR="cpu"))
-    status, seconds = output.ends_within(rf"(^|[]:>])epoch +{epochs}/{epochs} ", EXIT_GRACE)  # horovodrun: [0]<stdout>:
-    assert status == 0 and "Traceback" not in output.text and "error:" not in output.text, output.text
+    # horovodrun: [0]<stdout>:
+    status, seconds = output.ends_within(rf"(^|[]:>])epoch +{epochs}/{epochs} ", EXIT_GRACE)
+    assert (status == 0 and "Traceback" not in output.text
+            and "error:" not in output.text), output.text
     print(f"step {number:02d}, {epochs} epochs: ended {seconds:.1f} s after its last epoch line")
 
 
@@ -47,13 +52,14 @@ def main(case):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1]))
-"""
+"""  # noqa: E501 (a script of its own: its lines as written)
 
 
 @pytest.mark.parametrize("case", ["worker", "child", "thread"])
 def test_an_exit_that_would_hang_ends_with_one_line_and_status_1(case, tmp_path):
-    """A daemonic child that blocks SIGTERM (a loader's worker) is ended at exit, whenever the collector runs; whatever
-    else holds the exit (a child or a thread that does not end) ends it 3 s in (EXIT_WAIT here)."""
+    """A daemonic child that blocks SIGTERM (a loader's worker) is ended at exit, whenever the
+    collector runs; whatever else holds the exit (a child or a thread that does not end) ends it 3 s
+    in (EXIT_WAIT here)."""
     script = tmp_path / "hung.py"
     script.write_text(HUNG)
     output = Output(start([PYTHON, script, case], PYTHONPATH=REPO))
@@ -64,15 +70,18 @@ def test_an_exit_that_would_hang_ends_with_one_line_and_status_1(case, tmp_path)
         assert status == 0 and not errors and seconds < 3, (seconds, output.text)
         return
     assert status == 1 and len(errors) == 1, output.text
-    assert errors[0].startswith("error: this process was still exiting 3 s after its work ended"), errors[0]
-    assert seconds >= 3 and ("1 child process" if case == "child" else "0 child process") in errors[0], errors[0]
+    assert errors[0].startswith("error: this process was still exiting "
+                                "3 s after its work ended"), errors[0]
+    assert seconds >= 3 and (
+        "1 child process" if case == "child" else "0 child process") in errors[0], errors[0]
 
 
 def test_an_epoch_starts_and_ends_no_thread(monkeypatch):
-    """Evaluation forks its DataLoader workers right after the training loop; a thread ending at that moment (tqdm
-    started and ended one with every epoch's bar, even a hidden one) can leave the forked worker blocked for ever in
-    CPython 3.11, and its rank with it: the intermittent hang of this suite until 2026-11-26. The epoch's meter,
-    on every rank, on a terminal or not, starts no thread."""
+    """Evaluation forks its DataLoader workers right after the training loop; a thread ending at
+    that moment (tqdm started and ended one with every epoch's bar, even a hidden one) can leave the
+    forked worker blocked for ever in CPython 3.11, and its rank with it: the intermittent hang of
+    this suite until 2026-11-26. The epoch's meter, on every rank, on a terminal or not, starts no
+    thread."""
     import io
     import threading
     from types import SimpleNamespace

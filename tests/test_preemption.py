@@ -1,11 +1,12 @@
-"""Preemption: SIGTERM (or SIGUSR1) to a whole job, as Slurm sends it, ends every step after the current optimizer
-step with a checkpoint and exit status 75; `--resume auto` then finishes with weights bit-identical to an
-uninterrupted run. (The uninterrupted 04 run also serves a checkpoint of other batch arithmetic that 01 continues.)
+"""Preemption: SIGTERM (or SIGUSR1) to a whole job, as Slurm sends it, ends every step after the
+current optimizer step with a checkpoint and exit status 75; `--resume auto` then finishes with
+weights bit-identical to an uninterrupted run. (The uninterrupted 04 run also serves a checkpoint of
+other batch arithmetic that 01 continues.)
 
-The signal goes to every process of the job (the launcher, every rank and their DataLoader workers), which is what
-Slurm does to a job step. It is sent once the run prints its start line, so it lands part-way through its one
-epoch (small batches: 40 optimizer steps per rank or more, and a stop lands within 24), and the test demands a
-part-way checkpoint.
+The signal goes to every process of the job (the launcher, every rank and their DataLoader workers),
+which is what Slurm does to a job step. It is sent once the run prints its start line, so it lands
+part-way through its one epoch (small batches: 40 optimizer steps per rank or more, and a stop lands
+within 24), and the test demands a part-way checkpoint.
 """
 import contextlib
 import signal
@@ -14,36 +15,41 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (EXIT_GRACE, Output, assert_01_continues_by_progress, checkpoint_epoch, digests, launch_command,
-                     load_checkpoint, metrics, once, run, start)
+from helpers import (EXIT_GRACE, Output, assert_01_continues_by_progress, checkpoint_epoch, digests,
+                     launch_command, load_checkpoint, metrics, once, run, start)
 
-# (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the engine saves on
-# every rank, under its own launcher), 06 (its own collectives, under horovodrun), 07 (04's loop with its own
-# backends) and 08 (sharded weights, DCP checkpoints). 02 and 03 run 01's code for this; tests/test_slurm.py repeats
-# 04 under a real Slurm.
-CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2), (7, "torchrun", 2),
-         (8, "torchrun", 2)]
-SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]  # 160 (80 per rank) steps/epoch
-# 04 to 08, stopped and resumed, must all end where one uninterrupted run of 04 does, batch-norm statistics
-# included: the small cnn with batch norm (buffers each step syncs its own way, train and eval modes), NCHW weights
-# and batches (05's and 08's weights are NCHW), 2 accumulated passes of 8 images per optimizer step (so that each
-# step's accumulation is held to 04's bits too: a loss divided twice, a gradient reduced on every pass), and 05 in
-# ZeRO stage 1, which adds up accumulated gradients as DDP does. (ZeRO 2 reduces each pass's gradients as they come:
-# other bits with --grad-accum; without it, it is held to 04's bits on tests/test_learning_curves.py's runs.)
-DISTRIBUTED = ["--arch", "cnn_bn", "--no-channels-last", "--grad-accum", "2"]  # 40 optimizer steps per rank
-SHARED = {4: DISTRIBUTED, 5: [*DISTRIBUTED, "--zero-stage", "1"], 6: DISTRIBUTED, 7: DISTRIBUTED, 8: DISTRIBUTED}
+# (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the
+# engine saves on every rank, under its own launcher), 06 (its own collectives, under horovodrun),
+# 07 (04's loop with its own backends) and 08 (sharded weights, DCP checkpoints). 02 and 03 run 01's
+# code for this; tests/test_slurm.py repeats 04 under a real Slurm.
+CASES = [(1, "python", 1), (4, "torchrun", 2), (5, "deepspeed", 2), (6, "horovodrun", 2),
+         (7, "torchrun", 2), (8, "torchrun", 2)]
+# 160 (80 per rank) steps/epoch
+SETUP = ["--epochs", "1", "--batch-size", "8", "--amp", "off", "--workers", "1"]
+# 04 to 08, stopped and resumed, must all end where one uninterrupted run of 04 does, batch-norm
+# statistics included: the small cnn with batch norm (buffers each step syncs its own way, train and
+# eval modes), NCHW weights and batches (05's and 08's weights are NCHW), 2 accumulated passes of 8
+# images per optimizer step (so that each step's accumulation is held to 04's bits too: a loss
+# divided twice, a gradient reduced on every pass), and 05 in ZeRO stage 1, which adds up
+# accumulated gradients as DDP does. (ZeRO 2 reduces each pass's gradients as they come: other bits
+# with --grad-accum; without it, it is held to 04's bits on tests/test_learning_curves.py's runs.)
+# 40 optimizer steps per rank
+DISTRIBUTED = ["--arch", "cnn_bn", "--no-channels-last", "--grad-accum", "2"]
+SHARED = {4: DISTRIBUTED, 5: [*DISTRIBUTED, "--zero-stage", "1"], 6: DISTRIBUTED, 7: DISTRIBUTED,
+          8: DISTRIBUTED}
 
 
 def command(number, launcher, nproc, data, out, *extra):
-    return [*launch_command(launcher, nproc, number), *data, *SETUP, *SHARED.get(number, []), "--out-dir", out, *extra]
+    return [*launch_command(launcher, nproc, number), *data, *SETUP, *SHARED.get(number, []),
+            "--out-dir", out, *extra]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
-    """uninterrupted(number) -> the out-dir of the uninterrupted run a stopped run of that step must end at: 01's own,
-    one of 04 for 04 to 08. Made once, when a test first asks for it. No loader workers (the batches do not
-    depend on them): fewer forks of a threaded process, which CPython 3.11 can deadlock in (a DataLoader worker hung
-    once in os.fork's child-side clean-up here)."""
+    """uninterrupted(number) -> the out-dir of the uninterrupted run a stopped run of that step must
+    end at: 01's own, one of 04 for 04 to 08. Made once, when a test first asks for it. No loader
+    workers (the batches do not depend on them): fewer forks of a threaded process, which CPython
+    3.11 can deadlock in (a DataLoader worker hung once in os.fork's child-side clean-up here)."""
     def reference(number):
         number = 4 if number in SHARED else number
         (launcher, nproc), = [(la, n) for num, la, n in CASES if num == number]
@@ -55,61 +61,76 @@ def uninterrupted(data, tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize("number,launcher,nproc", CASES, ids=[f"{n:02d}-{la}" for n, la, _ in CASES])
-def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data, uninterrupted, number, launcher,
-                                                                  nproc):
+@pytest.mark.parametrize("number,launcher,nproc", CASES,
+                         ids=[f"{n:02d}-{la}" for n, la, _ in CASES])
+def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data, uninterrupted,
+                                                                  number, launcher, nproc):
     if number == 6:
-        pytest.importorskip("horovod.torch", reason="Horovod not built (scripts/install_horovod.sh)")
+        pytest.importorskip("horovod.torch",
+                            reason="Horovod not built (scripts/install_horovod.sh)")
     reference, stopped = uninterrupted(number), tmp_path / "stopped"
 
     job = start(command(number, launcher, nproc, data, stopped))
     output = Output(job)
     output.until("steps/epoch")  # the start line: every rank catches the signals by now
-    sig = signal.SIGUSR1 if number == 1 else signal.SIGTERM  # `#SBATCH --signal=USR1@120`; scancel, preemption
+    # `#SBATCH --signal=USR1@120`; scancel, preemption
+    sig = signal.SIGUSR1 if number == 1 else signal.SIGTERM
     top = psutil.Process(job.pid)
-    for process in [*top.children(recursive=True), top]:  # like Slurm: every process of the job step
+    # like Slurm: every process of the job step
+    for process in [*top.children(recursive=True), top]:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(sig)
-    # Every process ends within seconds of rank 0's last line (its DataLoader workers, which keep the signals
-    # blocked, too: a worker left at exit would hold its rank forever, tests/test_exit.py).
+    # Every process ends within seconds of rank 0's last line (its DataLoader workers, which keep
+    # the signals blocked, too: a worker left at exit would hold its rank forever,
+    # tests/test_exit.py).
     output.ends_within("stopped after step", EXIT_GRACE)
     text = output.text
-    assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text  # launchers: their own code
+    # launchers: their own code
+    assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text
     assert "Traceback" not in text.split("stopped after step")[0], text
     assert "stopped after step" in text, text
     part_way = sorted(stopped.glob("checkpoint-epoch0000-step*.pt"))
     assert len(part_way) == 1, (sorted(p.name for p in stopped.iterdir()), text)
     state = load_checkpoint(part_way[0])
     row = state["metrics"]
-    assert state["epoch"] == 0 and row["partial"] and row["epoch"] == 1 and 0 < row["steps"] < row["of_steps"]
+    assert (state["epoch"] == 0 and row["partial"] and row["epoch"] == 1
+            and 0 < row["steps"] < row["of_steps"])
     assert state["global_step"] == row["steps"]
     assert metrics(stopped) == [], "metrics.jsonl holds finished epochs only"
 
     resumed = run(command(number, launcher, nproc, data, stopped, "--resume", "auto"))
     assert f"step {row['steps']} of {row['of_steps']} in epoch 1" in resumed.output, resumed.output
-    if launcher == "horovodrun":  # only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast
-        assert (f"[0]<stdout>:resumed from step {row['steps']} of {row['of_steps']} in epoch 1 (written by "
-                "06_cifar10_horovod)") in resumed.output and "[1]<stdout>:resumed" not in resumed.output, resumed.output
+    # only rank 0 reads the checkpoint; rank 1 gets everything from it by broadcast
+    if launcher == "horovodrun":
+        line = (f"[0]<stdout>:resumed from step {row['steps']} of {row['of_steps']} in epoch 1 "
+                "(written by 06_cifar10_horovod)")
+        assert line in resumed.output and "[1]<stdout>:resumed" not in resumed.output, (
+            resumed.output)
     assert digests(stopped) == digests(reference) and len(set(digests(reference).values())) == 1
     (got,), (want,) = metrics(stopped), metrics(reference)
     assert got["test_acc"] == want["test_acc"] and got["test_loss"] == want["test_loss"]
-    assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)  # the epoch's loss sums both parts
+    # the epoch's loss sums both parts
+    assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)
     assert got["images"] == want["images"] == 1280
-    assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), "a finished epoch supersedes the part-way one"
+    assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), (
+        "a finished epoch supersedes the part-way one")
 
 
-def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data, tmp_path):
-    """The uninterrupted 04 run above (2 processes x 8 images x 2 passes, 40 steps per epoch, 1 epoch), continued
-    by 01 at batch 64 (20 steps per epoch) for a second epoch: the schedule is placed by progress (and stretched to
-    2 epochs); placed at the raw step 40 of a 40-step schedule it would train at learning rate 0 and the weights
-    would not move."""
-    assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1), [*data, "--arch", "cnn_bn"], tmp_path)
+def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data,
+                                                                                tmp_path):
+    """The uninterrupted 04 run above (2 processes x 8 images x 2 passes, 40 steps per epoch, 1
+    epoch), continued by 01 at batch 64 (20 steps per epoch) for a second epoch: the schedule is
+    placed by progress (and stretched to 2 epochs); placed at the raw step 40 of a 40-step schedule
+    it would train at learning rate 0 and the weights would not move."""
+    assert_01_continues_by_progress(checkpoint_epoch(uninterrupted(4), 1),
+                                    [*data, "--arch", "cnn_bn"], tmp_path)
 
 
 def looks_at_the_flag(steps, grad_accum=1, signal_at=None):
-    """The steps' training loop over `steps` optimizer steps (`if last_pass and stop.requested(...): break`), with a Stop
-    whose agreement is counted (and answers at once); a signal noted at pass `signal_at`. Returns (passes made,
-    agreements started, stop)."""
+    """The steps' training loop over `steps` optimizer steps
+    (`if last_pass and stop.requested(...): break`), with a Stop whose agreement is counted (and
+    answers at once); a signal noted at pass `signal_at`.
+    Returns (passes made, agreements started, stop)."""
     from common.preempt import Stop
 
     started = []
@@ -130,22 +151,24 @@ def looks_at_the_flag(steps, grad_accum=1, signal_at=None):
 
 
 def test_the_stop_flag_costs_no_collective_per_step():
-    """The loop looks at the stop flag every CHECK_EVERY optimizer steps, and each look only starts an agreement that
-    the next look reads (by then it has long arrived): no step waits on a collective, and a signal ends the epoch
-    within 2 x CHECK_EVERY steps, after a whole accumulation group."""
+    """The loop looks at the stop flag every CHECK_EVERY optimizer steps, and each look only starts
+    an agreement that the next look reads (by then it has long arrived): no step waits on a
+    collective, and a signal ends the epoch within 2 x CHECK_EVERY steps, after a whole
+    accumulation group."""
     from common.preempt import CHECK_EVERY
 
     passes, started, stop = looks_at_the_flag(100)
     assert passes == 100 and len(started) == 100 // CHECK_EVERY and started == [0] * len(started)
     passes, started, stop = looks_at_the_flag(100, grad_accum=2, signal_at=7)  # during the 4th step
-    assert started == [1], started  # one look started the agreement that saw it, the next one read it
+    # one look started the agreement that saw it, the next one read it
+    assert started == [1], started
     assert passes == 2 * 2 * CHECK_EVERY, passes
     assert stop.requested() and stop.exit_status() == 75
 
 
 def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_terminal(monkeypatch):
-    """On a terminal rank 0 draws a bar of the epoch's optimizer steps (a resumed epoch starts at the steps done);
-    in a log file, or on another rank, nothing."""
+    """On a terminal rank 0 draws a bar of the epoch's optimizer steps (a resumed epoch starts at
+    the steps done); in a log file, or on another rank, nothing."""
     import io
     import time
     from types import SimpleNamespace
@@ -158,7 +181,8 @@ def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_termina
         def isatty(self):
             return True
 
-    for rank, stream, shown in (("0", Terminal(), True), ("1", Terminal(), False), ("0", io.StringIO(), False)):
+    for rank, stream, shown in (("0", Terminal(), True), ("1", Terminal(), False),
+                                ("0", io.StringIO(), False)):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setattr("sys.stderr", stream)
         meter = Meter(SimpleNamespace(grad_accum=2, out_dir=".", profile=0), 5)
@@ -168,13 +192,15 @@ def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_termina
             time.sleep(0.11)  # tqdm redraws at most every 0.1 s
             meter.batch_done()
         meter.row(torch.tensor([8.0, 8.0], dtype=torch.float64))
-        assert ("3/5" in stream.getvalue() and "4/5" not in stream.getvalue()) == shown, (rank, stream.getvalue())
+        assert ("3/5" in stream.getvalue() and "4/5" not in stream.getvalue()) == shown, (
+            rank, stream.getvalue())
 
 
 def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch):
-    """metrics.Meter as rank 0 of 2 over 4 steps, its timing() gathered with rank 1's by a max (the steps'
-    all-reduce): rank 1 had each step's batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop.
-    Rank 0 then waited 2 s for it, rank 1 for nobody; each rank's slots hold its own figures."""
+    """metrics.Meter as rank 0 of 2 over 4 steps, its timing() gathered with rank 1's by a max (the
+    steps' all-reduce): rank 1 had each step's batch 0.5 s after rank 0, spent 1.5 s waiting for
+    data and 10 s in the loop. Rank 0 then waited 2 s for it, rank 1 for nobody; each rank's slots
+    hold its own figures."""
     from types import SimpleNamespace
 
     import torch
@@ -191,9 +217,12 @@ def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monke
     row = meter.timing()
     other, steps = torch.zeros_like(row), len(row) - 6
     other[:steps] = row[:steps] + 0.5
-    other[steps + 3:] = torch.tensor([10.0, 1.5, row[:steps].sum().item() + 0.5 * steps], dtype=torch.float64)
-    ranks = meter.row(torch.tensor([8.0, 4.0], dtype=torch.float64), torch.maximum(row, other))["ranks"]
-    assert ranks["train_s"][1] == 10.0 and ranks["data_s"][1] == 1.5 and 0 <= ranks["data_s"][0] <= ranks["train_s"][0]
+    other[steps + 3:] = torch.tensor([10.0, 1.5, row[:steps].sum().item() + 0.5 * steps],
+                                     dtype=torch.float64)
+    ranks = meter.row(torch.tensor([8.0, 4.0], dtype=torch.float64),
+                      torch.maximum(row, other))["ranks"]
+    assert (ranks["train_s"][1] == 10.0 and ranks["data_s"][1] == 1.5
+            and 0 <= ranks["data_s"][0] <= ranks["train_s"][0])
     assert ranks["wait_s"] == [2.0, 0.0], ranks
 
 
@@ -216,8 +245,9 @@ def test_the_epoch_line_names_a_rank_over_the_median_by_more_than_20_percent(tra
 
 
 def test_a_part_way_epoch_continues_after_the_same_fraction():
-    """A run stopped after 10 of 20 steps per epoch, continued with 40 steps per epoch (half the batch): the sampler
-    starts at step 20 of the epoch's order, and loads none of the samples before it."""
+    """A run stopped after 10 of 20 steps per epoch, continued with 40 steps per epoch (half the
+    batch): the sampler starts at step 20 of the epoch's order, and loads none of the samples
+    before it."""
     import torch
 
     from common.data import EpochSampler

@@ -1,13 +1,14 @@
-"""The README's own commands, run as written, so that the README cannot drift from what works: the quick start's
-set-up + main job line, and each step's launch command from the table of steps.
+"""The README's own commands, run as written, so that the README cannot drift from what works: the
+quick start's set-up + main job line, and each step's launch command from the table of steps.
 
-Flags appended to a command (argparse: the last one wins) only point it at small generated data and a --out-dir and
-make it short (the small CNN, fp32, 1 or 2 epochs); the table's 4 processes become 2 (2 cores here). The launchers are
-the README's bare names (python, torchrun, deepspeed, horovodrun), found first on PATH in .venv. Most steps' commands
-start runs that other test files read (conftest.py: run01, run04, run06, run08, and the learning-curve runs of 02, 03
-and 07 on their 3000 images, 2 epochs each): a launch each, not two. 05's command reads its learning-curve run where
-this session runs that anyway (the whole suite); alone (the quick tier, or this file) it gets a 1-epoch launch of its
-own, cheaper than the learning-curve run.
+Flags appended to a command (argparse: the last one wins) only point it at small generated data and
+a --out-dir and make it short (the small CNN, fp32, 1 or 2 epochs); the table's 4 processes become 2
+(2 cores here). The launchers are the README's bare names (python, torchrun, deepspeed, horovodrun),
+found first on PATH in .venv. Most steps' commands start runs that other test files read
+(conftest.py: run01, run04, run06, run08, and the learning-curve runs of 02, 03 and 07 on their 3000
+images, 2 epochs each): a launch each, not two. 05's command reads its learning-curve run where this
+session runs that anyway (the whole suite); alone (the quick tier, or this file) it gets a 1-epoch
+launch of its own, cheaper than the learning-curve run.
 """
 import re
 
@@ -34,7 +35,8 @@ def quick_start():
 
 def steps():
     """The step numbers of the README's table of steps."""
-    return [int(number) for number in re.findall(r"^\| (0\d) \| .*? \| `[^`]+` \| \[", README, re.M)]
+    return [int(number)
+            for number in re.findall(r"^\| (0\d) \| .*? \| `[^`]+` \| \[", README, re.M)]
 
 
 def test_the_quick_start_main_job_runs_as_written(tmp_path):
@@ -42,16 +44,20 @@ def test_the_quick_start_main_job_runs_as_written(tmp_path):
     assert setup == "bash scripts/setup.sh"  # what .ci/run has done before the tests
     data = tmp_path / "synthetic"
     shell(generate, "--data-dir", data, "--train-size", "640", "--test-size", "101")
-    proc = shell(train, "--data-dir", data, "--epochs", "1", "--out-dir", tmp_path / "out", timeout=300)
+    proc = shell(train, "--data-dir", data, "--epochs", "1", "--out-dir", tmp_path / "out",
+                 timeout=300)
     assert "on 2 x cpu" in proc.output and "epoch   1/1" in proc.output, proc.output
     import torch
 
     from common.cli import amp_choice, native_bf16
 
-    # --amp auto: what this CPU computes natively, and why (fp32 where bf16 would be emulated: tests/test_steps_01_04.py)
+    # --amp auto: what this CPU computes natively, and why (fp32 where bf16 would be emulated:
+    # tests/test_steps_01_04.py)
     dtype, why = amp_choice("auto", torch.device("cpu"))
-    assert f"amp {'bf16' if native_bf16(torch.device('cpu'))[0] else 'off'} ({why})," in proc.output, proc.output
-    assert [row["epoch"] for row in metrics(tmp_path / "out")] == [1] and len(set(digests(tmp_path / "out").values())) == 1
+    assert (f"amp {'bf16' if native_bf16(torch.device('cpu'))[0] else 'off'} ({why}),"
+            in proc.output), proc.output
+    assert ([row["epoch"] for row in metrics(tmp_path / "out")] == [1]
+            and len(set(digests(tmp_path / "out").values())) == 1)
 
 
 def test_the_table_lists_every_step():
@@ -67,8 +73,10 @@ def test_each_step_runs_with_its_readme_command(number, tmp_path, cifar_dir, req
         out = request.getfixturevalue("curves")(number)[0]
     else:
         out = tmp_path
-        shell(readme_command(number), "--data-dir", cifar_dir, *SHORT, "--out-dir", out, timeout=300)
+        shell(readme_command(number), "--data-dir", cifar_dir, *SHORT, "--out-dir", out,
+              timeout=300)
     epochs = 1 if out == tmp_path else 2
     ranks = 1 if readme_command(number).startswith("python ") else 2
     assert [row["epoch"] for row in metrics(out)] == list(range(1, epochs + 1)), metrics(out)
-    assert sorted(digests(out)) == list(range(ranks)) and len(set(digests(out).values())) == 1, digests(out)
+    assert (sorted(digests(out)) == list(range(ranks))
+            and len(set(digests(out).values())) == 1), digests(out)
