@@ -1,11 +1,11 @@
 """Step 03: every GPU of one machine from one process, with nn.DataParallel.
 
-What changes from step 02: the model is wrapped in nn.DataParallel, which splits every batch across the visible GPUs,
-runs a copy of the model on each in threads and gathers the outputs on GPU 0. Checkpoints save model.module (no
-`module.` prefix). Without GPUs it simply calls the model.
+What changes from step 02: the model is wrapped in nn.DataParallel, which splits every batch across
+the visible GPUs, runs a copy of the model on each in threads and gathers the outputs on GPU 0.
+Checkpoints save model.module (no `module.` prefix). Without GPUs it simply calls the model.
 
-    python 03_cifar10_dataparallel.py                          # all visible GPUs
-    CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py # only GPUs 0 and 1
+    python 03_cifar10_dataparallel.py                            # all visible GPUs
+    CUDA_VISIBLE_DEVICES=0,1 python 03_cifar10_dataparallel.py   # only GPUs 0 and 1
 """
 import os
 import sys
@@ -19,111 +19,122 @@ from common import checkpoint, data, metrics, models, preempt
 from common.cli import amp_dtype, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
+STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ----------------------------------------------------------------------------- argument parsing
+# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
-    parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)  # the flags of every step
+    parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     return parser.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- process/device setup
+# ------------------------------------------------------------ process/device setup
 def setup(args):
-    device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
-    if device is not None:  # GPU: there is one
-        torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
-    else:  # GPU: no accelerator: say so once and carry on on the CPU
+    # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
+    device = torch.accelerator.current_accelerator(check_available=True)
+    if device is not None:
+        torch.backends.cudnn.benchmark = True
+    else:
         device = torch.device("cpu")
         print("no GPU found: running on the CPU")
-    checkpoint.settings(args).apply(args)  # --resume: that run's settings (those not typed); --out-dir: refusals
+    # --resume continues a run with its settings (those not typed again).
+    checkpoint.settings(args).apply(args)
     torch.manual_seed(args.seed)
-    return device, amp_dtype(args.amp, device)  # GPU: auto = bf16 if native (Ampere on), else fp16
+    return device, amp_dtype(args.amp, device)
 
 
-# ----------------------------------------------------------------------------- data
+# ------------------------------------------------------------ data
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
-    data.download(args.data_dir)  # CIFAR-10: downloads it unless a cifar-10-batches-py folder is there
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    data.download(args.data_dir)
     return data.cifar10(args.data_dir, seed=args.seed)
 
 
 def build_loaders(args, train_set, test_set):
-    # A new random order of the whole set each epoch, from (seed, epoch) alone: the sampler that step 04 splits across
-    # processes, here with one. EpochSampler: whole optimizer steps; a resumed epoch starts after those already done.
+    # A new order of the whole set each epoch, from (seed, epoch) alone: the sampler that step 04
+    # splits across processes, here with one. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
     sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                              persistent_workers=args.workers > 0,
-                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers,  # GPU: pinned too
+    # GPU: batches in page-locked memory copy to the GPU without blocking the process.
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                              num_workers=args.workers, persistent_workers=args.workers > 0,
+                              pin_memory=torch.accelerator.is_available())
+    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 
-# ----------------------------------------------------------------------------- model
-# --arch chooses one of these; the first is the default.
+# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
 def build_model(args, info):
-    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    """The network, for batches as build_data's sets give them (ours: uint8, normalised inside)."""
     return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
 def prepare_model(args, model, device):
-    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
-    # DataParallel: each forward pass scatters the batch over all visible GPUs, replicates the model, gathers on GPU 0.
-    print(f"DataParallel over {torch.accelerator.device_count()} GPU(s) (fewer than 2, or MPS: a passthrough)")
-    return nn.DataParallel(model)  # DataParallel: the wrapper; the model itself is model.module
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    # DataParallel: each forward scatters the batch over the visible GPUs, runs a replica of the
+    # model on each, and gathers the outputs on GPU 0. The model itself is model.module.
+    gpus = torch.accelerator.device_count()
+    print(f"DataParallel over {gpus} GPU(s) (fewer than 2, or MPS: a passthrough)")
+    return nn.DataParallel(model)
 
 
-# ----------------------------------------------------------------------------- optimizer and schedule
+# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
+    schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     return optimizer, scheduler, scaler
 
 
-# ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop, meter):
+# ------------------------------------------------------------ train one epoch
+def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
+                    meter):
     model.train()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # The loss sum and the image count stay on the device: no wait for them per step.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     for step, (images, labels) in enumerate(loader):
-        meter.batch_in_hand()  # per-rank timing (metrics.Meter): the wait for this batch was data time
+        meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),
-                          labels.to(device, non_blocking=True))
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
-        scaler.scale(loss / args.grad_accum).backward()  # gradients add up over the passes of a group
-        if last_pass:  # one optimizer step per group
-            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+        # Gradients add up over a group's passes; one optimizer step per group (fp16: if finite).
+        scaler.scale(loss / args.grad_accum).backward()
+        if last_pass:
+            scaler.step(optimizer)
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad()  # gradients to None (the default): nothing to zero
-        totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
+            optimizer.zero_grad()
+        totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
         meter.batch_done()
-        if last_pass and stop.requested((step + 1) // args.grad_accum):  # a stop signal: leave after this step
+        # A stop signal (SIGTERM, SIGUSR1) ends the epoch after a whole optimizer step.
+        if last_pass and stop.requested((step + 1) // args.grad_accum):
             break
     return meter.row(totals)
 
 
-# ----------------------------------------------------------------------------- evaluate
+# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # as in training
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     for images, labels in loader:
-        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),  # GPU: as in training
-                          labels.to(device, non_blocking=True))
+        # GPU: as in training.
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images).float()
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
@@ -133,52 +144,60 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ----------------------------------------------------------------------------- checkpoint
+# ------------------------------------------------------------ checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    # DataParallel: save the model inside the wrapper (no `module.` prefix), as every later step does too.
-    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
-                           model_state=model.module.state_dict(), optimizer=optimizer, scheduler=scheduler,
-                           scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
+    # DataParallel: save the model inside the wrapper (no `module.` prefix), as later steps do.
+    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
+                           global_step=global_step, model_state=model.module.state_dict(),
+                           optimizer=optimizer, scheduler=scheduler, scaler=scaler, args=args,
+                           metrics=row, synthetic=info.synthetic)
 
 
 def resume(args, model, optimizer, scheduler, scaler):
-    # --resume's checkpoint into the objects; (epochs done, steps done, {epoch: its part done} if it stopped part-way)
-    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler,
+                             scaler=scaler)
 
 
-# ----------------------------------------------------------------------------- main
+# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype = setup(args)
-    stop = preempt.Stop(args.stop_after)  # SIGTERM/SIGUSR1: finish the step, save, exit 75 (common/preempt.py)
+    # SIGTERM or SIGUSR1: finish the optimizer step, save, exit with status 75.
+    stop = preempt.Stop(args.stop_after)
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = len(train_loader) // args.grad_accum
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
-    if amp_dtype is not None:  # DataParallel: replica threads start at the default autocast dtype (GPUs: fp16): ours
-        model.module.register_forward_pre_hook(lambda module, inputs: torch.set_autocast_dtype(device.type, amp_dtype))
-    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
+    # DataParallel: its replica threads start at the default autocast dtype (GPUs: fp16): ours.
+    if amp_dtype is not None:
+        model.module.register_forward_pre_hook(
+            lambda module, inputs: torch.set_autocast_dtype(device.type, amp_dtype))
+    # --compile: the compiled model shares the weights; checkpoints save `model`.
+    train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
     log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        row = {"epoch": epoch, **train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler,
-                                                 device, amp_dtype, stop, meter)}
-        global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
-        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+        row = train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler, device,
+                              amp_dtype, stop, meter)
+        row = {"epoch": epoch, **row}
+        # The schedule counts optimizer steps. An epoch stopped part-way is saved, not evaluated.
+        global_step = scheduler.last_epoch
+        if not row.get("partial"):
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
         save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
         log.epoch(row)
-        if stop.leave(epoch, start_epoch, args.epochs):  # a stop signal, or --stop-after: continue with --resume auto
+        if stop.leave(epoch, start_epoch, args.epochs):
             break
 
-    log.finish(model.module.state_dict())  # training_curves.png, weights-rank0.sha256
-    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
+    log.finish(model.module.state_dict())
+    # 75 after a stop signal: a batch script requeues the job.
+    return stop.exit_status()
 
 
 if __name__ == "__main__":

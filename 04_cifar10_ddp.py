@@ -1,11 +1,12 @@
 """Step 04: one process per GPU with DistributedDataParallel (DDP), on one machine or many.
 
-What changes from step 03: a launcher starts one process per GPU. Each joins a process group, trains a replica on
-its own shard of every epoch (DistributedSampler) and DDP averages the gradients during backward. Only rank 0 saves.
-Every place where the ranks meet says `collective` in its comment. No launcher: --spawn N, or one process.
+What changes from step 03: a launcher starts one process per GPU. Each joins a process group,
+trains a replica on its own shard of every epoch (DistributedSampler), and DDP averages the
+gradients during backward. Only rank 0 saves. Every call where the ranks meet says `# collective`.
 
     torchrun --nproc_per_node=4 04_cifar10_ddp.py
     python -m torch.distributed.launch --nproc_per_node=4 04_cifar10_ddp.py   # legacy launcher
+    python 04_cifar10_ddp.py --spawn 2                                        # no launcher
 """
 import contextlib
 import datetime
@@ -18,226 +19,281 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.elastic.utils.distributed import get_free_port  # DDP: --spawn's port
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import checkpoint, data, metrics, models, preempt
-from common.cli import amp_dtype, exits_cleanly, shared_parser
+from common.cli import amp_dtype, check_device, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
-STEP = os.path.splitext(os.path.basename(__file__))[0]  # this script's name: the label of its outputs
+STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ----------------------------------------------------------------------------- argument parsing
+# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
-    parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)  # the flags of every step
-    # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK instead); the GPU it uses
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    parser.add_argument("--spawn", type=int, default=0, metavar="N", help="no launcher: start N processes")  # DDP: main
-    parser.add_argument("--dist-timeout", type=int, default=600, metavar="SECONDS", help="wait for a missing rank")  # DDP:
-    parser.add_argument("--sync-bn", action="store_true", help="batch norm over the global batch (CUDA, XPU)")  # DDP:
+    parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
+    # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK): its GPU.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=local_rank)
+    parser.add_argument("--spawn", type=int, default=0, metavar="N",
+                        help="no launcher: start N processes")
+    parser.add_argument("--dist-timeout", type=int, default=600, metavar="SECONDS",
+                        help="how long a rank waits for a missing one")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="batch norm over the global batch (CUDA, XPU)")
     return parser.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- process/device setup
+# ------------------------------------------------------------ process/device setup
 def setup(args):
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # DDP: set by the launcher
-    device = torch.accelerator.current_accelerator(check_available=True)  # GPU: CUDA, ROCm, XPU or MPS; None: none
-    if device is not None:  # GPU: there is one
-        if args.local_rank >= torch.accelerator.device_count():  # plumbing: more processes than GPUs on this machine
-            sys.exit(f"local rank {args.local_rank} has no GPU: start <= {torch.accelerator.device_count()} per node")
-        device = torch.device(device.type, args.local_rank)  # DDP: one GPU per process, chosen by its local rank
-        torch.accelerator.set_device_index(args.local_rank)  # DDP: its default device from now on
-        torch.backends.cudnn.benchmark = True  # GPU: fixed input shapes, so let cuDNN time its algorithms once
-    else:  # GPU: no accelerator: say so once and carry on on the CPU
+    # DDP: the launcher tells each process its rank and how many there are.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
+    device = torch.accelerator.current_accelerator(check_available=True)
+    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU: one line, exit 2.
+    check_device(args, device)
+    if device is not None:
+        # DDP: one GPU per process, chosen by its local rank, its default device from now on.
+        device = torch.device(device.type, args.local_rank)
+        torch.accelerator.set_device_index(args.local_rank)
+        torch.backends.cudnn.benchmark = True
+    else:
         device = torch.device("cpu")
-        if rank == 0:  # plumbing: one line, not one per process
+        # plumbing: one line, not one per process.
+        if rank == 0:
             print("no GPU found: running on the CPU")
-    if args.sync_bn and device.type not in ("cuda", "xpu"):  # DDP: torch's SyncBatchNorm has kernels for these only
-        sys.exit(f"--sync-bn needs CUDA or XPU GPUs (torch's SyncBatchNorm has no {device.type} kernel); drop it")
-    backend = dist.get_default_backend_for_device(device)  # DDP: nccl for CUDA, xccl for XPU, gloo for CPU (and MPS)
-    dist.init_process_group(backend, device_id=None if backend == "gloo" else device,  # DDP: rank, size from the env
-                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # DDP: a dead peer = an error
-    verdict = [checkpoint.settings(args) if rank == 0 else None]  # DDP: rank 0 alone reads --resume's checkpoint
-    dist.broadcast_object_list(verdict, src=0)  # DDP: collective: its settings on every rank (no shared disk needed)
-    verdict[0].apply(args)  # DDP: that run's settings (those not typed), or the error, on every rank
+    # DDP: join the process group (nccl for CUDA, xccl for XPU, gloo for the CPU); a peer that
+    # does not answer within --dist-timeout is an error, not a wait for ever.
+    backend = dist.get_default_backend_for_device(device)
+    dist.init_process_group(backend, device_id=device if backend != "gloo" else None,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
+    # DDP: rank 0 reads --resume's settings (or its error) for every rank: no shared disk needed.
+    settings = [checkpoint.settings(args) if rank == 0 else None]
+    dist.broadcast_object_list(settings, src=0)  # collective
+    settings[0].apply(args)
     torch.manual_seed(args.seed)
-    return device, amp_dtype(args.amp, device), rank, world_size  # DDP: this process's rank, and how many there are
+    return device, amp_dtype(args.amp, device), rank, world_size
 
 
-# ----------------------------------------------------------------------------- data
+# DDP: a stop signal on any rank stops them all after the same step: a max over the ranks, on a
+# CPU group of its own, started every 8th step without waiting and read 8 steps later.
+def stop_agreement(group):
+    def agree(flag):
+        work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=group, async_op=True)  # collective
+        return work.wait
+    return agree
+
+
+# ------------------------------------------------------------ data
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: see the README (template)."""
-    if args.local_rank == 0:  # DDP: one process per machine downloads; the others wait at the barrier
-        data.download(args.data_dir)  # CIFAR-10: downloads it unless a cifar-10-batches-py folder is there
-    dist.barrier()  # DDP: collective
+    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    # DDP: one process per machine downloads; the others wait for it at the barrier.
+    if args.local_rank == 0:
+        data.download(args.data_dir)
+    dist.barrier()  # collective
     return data.cifar10(args.data_dir, seed=args.seed)
 
 
 def build_loaders(args, train_set, test_set):
-    # DDP: each rank gets a disjoint 1/world_size shard of one random order of the whole set per epoch, from (seed,
-    # epoch) alone. EpochSampler: whole optimizer steps; a resumed epoch starts after those already done.
+    # DDP: each rank trains a disjoint shard of one random order of the whole set per epoch, from
+    # (seed, epoch) alone. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                              persistent_workers=args.workers > 0,
-                              pin_memory=torch.accelerator.is_available())  # GPU: page-locked batches copy asynchronously
-    # DDP: evaluation shards the test set without padding, so no image is counted twice.
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers, pin_memory=torch.accelerator.is_available(),
-                             sampler=range(dist.get_rank(), len(test_set), dist.get_world_size()))
+    # GPU: batches in page-locked memory copy to the GPU without blocking the process.
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                              num_workers=args.workers, persistent_workers=args.workers > 0,
+                              pin_memory=torch.accelerator.is_available())
+    # DDP: evaluation shards the test set without padding, so that no image counts twice.
+    shard = range(dist.get_rank(), len(test_set), dist.get_world_size())
+    test_loader = DataLoader(test_set, batch_size=512, sampler=shard, num_workers=args.workers,
+                             pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 
-# ----------------------------------------------------------------------------- model
-# --arch chooses one of these; the first is the default.
+# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
 def build_model(args, info):
-    """The network, for batches as build_data's sets give them (ours: uint8 images, normalised inside the model)."""
+    """The network, for batches as build_data's sets give them (ours: uint8, normalised inside)."""
     return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
 def prepare_model(args, model, device):
-    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model  # DDP: BN over the global batch
-    # DDP: collective: copies rank 0's weights to all ranks now; averages gradients in buckets while backward still runs.
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    # DDP: --sync-bn: batch-norm statistics over the global batch, not each rank's.
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # DDP: the wrapper copies rank 0's weights to every rank now, and averages the gradients in
+    # buckets while backward still runs. The model itself is model.module.
+    device_ids = [device.index] if device.type != "cpu" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)  # collective
 
 
-# ----------------------------------------------------------------------------- optimizer and schedule
+# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # fp16 only (GPU, step 02)
+    schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     return optimizer, scheduler, scaler
 
 
-# ----------------------------------------------------------------------------- train one epoch
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop, meter):
+# ------------------------------------------------------------ train one epoch
+def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
+                    meter):
     model.train()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # batches as NHWC
+    # The loss sum and the image count stay on the device: no wait for them per step.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     for step, (images, labels) in enumerate(loader):
-        meter.batch_in_hand()  # per-rank timing (metrics.Meter): the wait for this batch was data time
+        meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),
-                          labels.to(device, non_blocking=True))
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0
-        with contextlib.nullcontext() if last_pass else model.no_sync():  # DDP: all-reduce on the last pass only
-            # DDP: collective: the forward broadcasts rank 0's buffers (batch-norm statistics) to every replica
+        # DDP: the gradients are averaged across ranks on a group's last pass only (no_sync before).
+        # Each forward broadcasts rank 0's buffers (batch-norm statistics) to every replica.
+        with contextlib.nullcontext() if last_pass else model.no_sync():
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss / args.grad_accum).backward()  # DDP: collective on the last pass: averages gradients
-        if last_pass:  # DDP: gradients are averaged across ranks now; one optimizer step per group
-            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+                loss = F.cross_entropy(model(images), labels)  # collective
+            scaler.scale(loss / args.grad_accum).backward()  # collective
+        # Gradients add up over a group's passes; one optimizer step per group (fp16: if finite).
+        if last_pass:
+            scaler.step(optimizer)
             scaler.update()
             scheduler.step()
-            optimizer.zero_grad()  # gradients to None (the default): nothing to zero
-        totals[0] += loss.detach() * len(labels)  # stays on the device: no wait per step
+            optimizer.zero_grad()
+        totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
         meter.batch_done()
-        # DDP: collective every 8th step (main's agreement): every rank stops after the same step
-        if last_pass and stop.requested((step + 1) // args.grad_accum):
+        # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
+        if last_pass and stop.requested((step + 1) // args.grad_accum):  # collective
             break
-    dist.all_reduce(totals)  # DDP: collective: every rank saw different images; the sums over ranks
-    timing = meter.timing().to(device)  # DDP: this rank's timing in its slots (on the device: NCCL takes no CPU tensor)
-    dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # DDP: collective
-    return meter.row(totals, timing)  # DDP: the row holds every rank's timing
+    # DDP: every rank saw other images: the sums over the ranks, and every rank's timing.
+    dist.all_reduce(totals)  # collective
+    timing = meter.timing().to(device)
+    dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # collective
+    return meter.row(totals, timing)
 
 
-# ----------------------------------------------------------------------------- evaluate
+# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # as in training
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     for images, labels in loader:
-        images, labels = (images.to(device, non_blocking=True, memory_format=memory_format),  # GPU: as in training
-                          labels.to(device, non_blocking=True))
+        # GPU: as in training.
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images).float()
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
-    dist.all_reduce(totals)  # DDP: collective: add up every shard's loss sum, hits and count
+    # DDP: add up every shard's loss sum, hits and count.
+    dist.all_reduce(totals)  # collective
     loss_sum, correct, count = totals.tolist()
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ----------------------------------------------------------------------------- checkpoint
+# ------------------------------------------------------------ checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    # DataParallel: save the model inside the wrapper (no `module.` prefix), as every later step does too.
-    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch, global_step=global_step,
-                           model_state=model.module.state_dict(), optimizer=optimizer, scheduler=scheduler,
-                           scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
+    # DataParallel: save the model inside the wrapper (no `module.` prefix), as later steps do.
+    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
+                           global_step=global_step, model_state=model.module.state_dict(),
+                           optimizer=optimizer, scheduler=scheduler, scaler=scaler, args=args,
+                           metrics=row, synthetic=info.synthetic)
 
 
 def resume(args, model, optimizer, scheduler, scaler):
-    # --resume's checkpoint into the objects; (epochs done, steps done, {epoch: its part done} if it stopped part-way)
-    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                             verbose=dist.get_rank() == 0)  # plumbing: every rank reads it; one says so
+    # DDP: every rank reads the checkpoint into its replica; rank 0 says so.
+    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler,
+                             scaler=scaler, verbose=dist.get_rank() == 0)
 
 
-# ----------------------------------------------------------------------------- main
-# DDP: --spawn: each process that mp.spawn starts gets what a launcher would set for it, then trains.
-def run_as_rank(local_rank, argv, world_size):
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))  # DDP: see above
-    sys.exit(main(argv))  # DDP: its exit status is the process's (mp.spawn reports a rank that failed)
-
-
+# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # DDP: started without a launcher: be a group of one
-        os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # DDP: where the ranks meet, at a
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(get_free_port() if args.spawn else 0),  # free
-                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # port (0: the OS picks one when no one else meets)
-        if args.spawn:  # DDP: or --spawn N: mp.spawn starts N processes, each runs main() as a rank (run_as_rank)
-            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))  # as torchrun does
-            try:
-                return mp.spawn(run_as_rank, args=(argv, args.spawn), nprocs=args.spawn) or 0
-            except mp.ProcessExitedException as error:  # a rank failed (its own error is above)
-                sys.exit(f"rank {error.error_index} of {args.spawn} exited with status {error.exit_code}")
-    device, amp_dtype, rank, world_size = setup(args)  # DDP: joins the process group
-    group = dist.new_group(backend="gloo")  # DDP: collective: a CPU group of its own for the stop flag
-    # DDP: collective: a stop signal on any rank stops them all after the same step: a max over ranks, started every
-    # 8th step without waiting and read 8 steps later (common/preempt.py)
-    stop = preempt.Stop(args.stop_after, agree=lambda flag: dist.all_reduce(flag, dist.ReduceOp.MAX, group=group,
-                                                                             async_op=True).wait)
+    # DDP: no launcher: --spawn N starts N processes (spawn, below), else a group of one.
+    if "RANK" not in os.environ and args.spawn:
+        return spawn(args, argv)
+    if "RANK" not in os.environ:
+        be_a_group_of_one()
+    device, amp_dtype, rank, world_size = setup(args)
+    # SIGTERM or SIGUSR1: finish the optimizer step, save, exit with status 75.
+    # DDP: every rank stops after the same step (stop_agreement).
+    group = dist.new_group(backend="gloo")  # collective
+    stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = len(train_loader) // args.grad_accum
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
-    train_model = torch.compile(model) if args.compile else model  # same weights; checkpoints use `model`
+    # --compile: the compiled model shares the weights; checkpoints save `model`.
+    train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
     log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        row = {"epoch": epoch, **train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler,
-                                                 device, amp_dtype, stop, meter)}
-        global_step = scheduler.last_epoch  # optimizer steps so far (the schedule counts them)
-        if not row.get("partial"):  # stopped part-way: saved as checkpoint-epochNNNN-stepSSSSSS.pt, not evaluated
+        row = train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler, device,
+                              amp_dtype, stop, meter)
+        row = {"epoch": epoch, **row}
+        # The schedule counts optimizer steps. An epoch stopped part-way is saved, not evaluated.
+        global_step = scheduler.last_epoch
+        if not row.get("partial"):
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
-        if rank == 0:  # DDP: one writer; the others would race on the same files
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
+        # DDP: rank 0 writes alone; the barrier keeps the others from running ahead meanwhile.
+        if rank == 0:
+            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row,
+                            info)
         log.epoch(row)
-        dist.barrier()  # DDP: collective: nobody runs ahead while rank 0 writes (a stop after this epoch is then safe)
-        # DDP: collective: a stop signal (agreed by all), or --stop-after: continue with --resume auto
-        if stop.leave(epoch, start_epoch, args.epochs):
+        dist.barrier()  # collective
+        if stop.leave(epoch, start_epoch, args.epochs):  # collective
             break
 
-    log.finish(model.module.state_dict())  # DDP: every rank its weights-rankN.sha256: equal files = equal replicas
-    del model, train_model  # plumbing: free DDP now, not in a random later gc (it can hang the exit; docs/04-ddp.md)
-    gc.collect()  # plumbing: (see above)
-    dist.destroy_process_group()  # DDP: leave the group cleanly so the launcher sees a clean exit
-    return stop.exit_status()  # 75 after a stop signal: a batch script requeues the job
+    # DDP: every rank writes weights-rankN.sha256 of its replica: equal files, equal replicas.
+    log.finish(model.module.state_dict())
+    # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.
+    del model, train_model
+    gc.collect()
+    dist.destroy_process_group()
+    # 75 after a stop signal: a batch script requeues the job.
+    return stop.exit_status()
+
+
+# DDP: --spawn N, no launcher: N processes on this machine, each running main() as a rank with
+# what a launcher would set for it (torchrun also sets one thread per process).
+def spawn(args, argv):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(get_free_port())
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))
+    try:
+        return mp.spawn(run_as_rank, args=(argv, args.spawn), nprocs=args.spawn) or 0
+    except mp.ProcessExitedException as error:
+        sys.exit(f"rank {error.error_index} of {args.spawn} exited with status {error.exit_code}")
+
+
+# DDP: each spawned process is rank local_rank; its exit status is the process's.
+def run_as_rank(local_rank, argv, world_size):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
+    sys.exit(main(argv))
+
+
+# DDP: no launcher: rank 0 of 1, at a port the OS picks (MASTER_PORT 0).
+def be_a_group_of_one():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or "0"
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
 
 
 if __name__ == "__main__":

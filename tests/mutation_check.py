@@ -1,16 +1,19 @@
-"""The mutation check: does the suite catch a broken distributed step? Run it on demand, not in the suite.
+"""Mutation check: does the suite catch a broken distributed step? Run on demand, not in the suite.
 
-    .venv/bin/python tests/mutation_check.py              # every planted bug in 04-08 (about an hour on 2 cores)
+    .venv/bin/python tests/mutation_check.py              # every planted bug in 04-08 (about an
+                                                          # hour on 2 cores)
     .venv/bin/python tests/mutation_check.py --step 08    # one step's
-    .venv/bin/python tests/mutation_check.py --list       # what it plants, and the tests each step is held to
+    .venv/bin/python tests/mutation_check.py --list       # what it plants, and the tests each
+                                                          # step is held to
 
-Each mutant is one plausible bug: a piece of a step's code (a regular expression that must match exactly once)
-replaced by a broken version. For each, in a fresh copy of the repository with only that change, the behavioural
-tests of its step run (pytest -x: the first failure is enough); the verdict is CAUGHT (a test failed), MISSED
-(every test passed) or STALE (the piece is no longer in the step: update the mutant). Before a step's mutants its
-tests run on the step as it is and must pass (else its verdicts are UNSURE). Exit status 0 only when every mutant
-is caught. Run it before and after a rewrite of the steps (docs/testing.md): a rewrite that keeps the
-behaviour keeps every verdict, and a mutant that no longer applies says which one to update.
+Each mutant is one plausible bug: a piece of a step's code (a regular expression that must match
+exactly once) replaced by a broken version. For each, in a fresh copy of the repository with only
+that change, the behavioural tests of its step run (pytest -x: the first failure is enough); the
+verdict is CAUGHT (a test failed), MISSED (every test passed) or STALE (the piece is no longer in
+the step: update the mutant). Before a step's mutants its tests run on the step as it is and must
+pass (else its verdicts are UNSURE). Exit status 0 only when every mutant is caught. Run it before
+and after a rewrite of the steps (docs/testing.md): a rewrite that keeps the behaviour keeps every
+verdict, and a mutant that no longer applies says which one to update.
 """
 import argparse
 import datetime
@@ -37,8 +40,9 @@ class Mutant(NamedTuple):
     broken: str  # what it becomes (re.sub's replacement)
 
 
-# The tests each step is held to: every test of the suite that runs the step (its own file, its stops and resumes,
-# its learning curve, its runs with the default model, its GPU paths rehearsed on the CPU).
+# The tests each step is held to: every test of the suite that runs the step (its own file, its
+# stops and resumes, its learning curve, its runs with the default model, its GPU paths rehearsed on
+# the CPU).
 CURVES = "tests/test_learning_curves.py::test_step_learns_like_step_01"
 DEFAULT = "tests/test_default_model.py::test_each_distributed_step_ends_exactly_where_ddp_does"
 PREEMPT = "tests/test_preemption.py::test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly"
@@ -64,13 +68,14 @@ TESTS = {
 
 MUTANTS = [
     # 04: the five of the first check, and two more
-    Mutant(4, "no set_epoch: every epoch the same order", r"sampler\.set_epoch\(epoch, ", "sampler.set_epoch(1, "),
+    Mutant(4, "no set_epoch: every epoch the same order", r"sampler\.set_epoch\(epoch, ",
+           "sampler.set_epoch(1, "),
     Mutant(4, "no shuffle", r"DistributedSampler\(train_set, shuffle=True",
            "DistributedSampler(train_set, shuffle=False"),
-    Mutant(4, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
-           r"\1totals = totals\2"),
-    Mutant(4, "gradients never synced", r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)",
-           "model.no_sync()"),
+    Mutant(4, "evaluation without the all-reduce",
+           r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
+    Mutant(4, "gradients never synced",
+           r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)", "model.no_sync()"),
     Mutant(4, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
     Mutant(4, "batch-norm buffers not broadcast", r"DistributedDataParallel\(model, ",
            "DistributedDataParallel(model, broadcast_buffers=False, "),
@@ -82,36 +87,44 @@ MUTANTS = [
            r"\1engine.backward(loss / args.grad_accum)"),
     Mutant(5, "batch-norm buffers not broadcast", r"^(\s+)dist\.broadcast\(buffer, 0\)", r"\1pass"),
     Mutant(5, "evaluation in train mode", r"^(\s+)engine\.eval\(\)", r"\1engine.train()"),
-    Mutant(5, "an export continued at its raw step count", r"amp_dtype, start_epoch \* steps_per_epoch\)",
-           "amp_dtype, global_step)"),
-    Mutant(5, "the engine's checkpoint resumed without its optimizer state", r"engine\.load_checkpoint\(\*found\)",
+    Mutant(5, "an export continued at its raw step count",
+           r"amp_dtype, start_epoch \* steps_per_epoch\)", "amp_dtype, global_step)"),
+    Mutant(5, "the engine's checkpoint resumed without its optimizer state",
+           r"engine\.load_checkpoint\(\*found\)",
            "engine.load_checkpoint(*found, load_optimizer_states=False)"),
-    Mutant(5, "--zero-stage ignored", r'^(\s+)config\.setdefault\("zero_optimization", \{\}\)\["stage"\] = '
+    Mutant(5, "--zero-stage ignored",
+           r'^(\s+)config\.setdefault\("zero_optimization", \{\}\)\["stage"\] = '
            r"args\.zero_stage", r"\1pass"),
-    Mutant(5, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
-           r"\1totals = totals\2"),
+    Mutant(5, "evaluation without the all-reduce",
+           r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
     # 06
-    Mutant(6, "--fp16-allreduce ignored", r"hvd\.Compression\.fp16 if args\.fp16_allreduce else hvd\.Compression\.none",
+    Mutant(6, "--fp16-allreduce ignored",
+           r"hvd\.Compression\.fp16 if args\.fp16_allreduce else hvd\.Compression\.none",
            "hvd.Compression.none"),
-    Mutant(6, "momentum not broadcast on resume", r"^(\s+)hvd\.broadcast_optimizer_state\(optimizer, root_rank=0\)",
-           r"\1pass"),
-    Mutant(6, "batch-norm buffers not broadcast", r"^(\s+)hvd\.broadcast_parameters\(dict\(model\.named_buffers\(\)\), "
+    Mutant(6, "momentum not broadcast on resume",
+           r"^(\s+)hvd\.broadcast_optimizer_state\(optimizer, root_rank=0\)", r"\1pass"),
+    Mutant(6, "batch-norm buffers not broadcast",
+           r"^(\s+)hvd\.broadcast_parameters\(dict\(model\.named_buffers\(\)\), "
            r"root_rank=0\)", r"\1pass"),
-    Mutant(6, "every rank trains rank 0's shard", r"rank=hvd\.rank\(\), shuffle=True", "rank=0, shuffle=True"),
+    Mutant(6, "every rank trains rank 0's shard", r"rank=hvd\.rank\(\), shuffle=True",
+           "rank=0, shuffle=True"),
     Mutant(6, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
-    Mutant(6, "weights not broadcast on resume", r"^(\s+)hvd\.broadcast_parameters\(model\.state_dict\(\), "
+    Mutant(6, "weights not broadcast on resume",
+           r"^(\s+)hvd\.broadcast_parameters\(model\.state_dict\(\), "
            r"root_rank=0\)", r"\1pass"),
     Mutant(6, "a stop signal only at the end of an epoch",
            r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
     # 07
     Mutant(7, "GradScaler's update() dropped", r"^(\s+)scaler\.update\(\)", r"\1pass"),
-    Mutant(7, "the optimizer steps around the scaler", r"^(\s+)scaler\.step\(optimizer\)", r"\1optimizer.step()"),
-    Mutant(7, "a resumed run's loss scale not loaded", r"and scaler\.load_state_dict\(saved\)", "and None"),
-    Mutant(7, "gradients never synced", r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)",
-           "model.no_sync()"),
+    Mutant(7, "the optimizer steps around the scaler", r"^(\s+)scaler\.step\(optimizer\)",
+           r"\1optimizer.step()"),
+    Mutant(7, "a resumed run's loss scale not loaded", r"^(\s+)scaler\.load_state_dict\(saved\)",
+           r"\1pass"),
+    Mutant(7, "gradients never synced",
+           r"contextlib\.nullcontext\(\) if last_pass else model\.no_sync\(\)", "model.no_sync()"),
     Mutant(7, "training in eval mode", r"^(\s+)model\.train\(\)", r"\1model.eval()"),
-    Mutant(7, "the Apex path never broadcasts batch-norm buffers", r"model\.module\.buffers\(\) if apex else \(\)",
-           "()"),
+    Mutant(7, "the Apex path never broadcasts batch-norm buffers",
+           r"for buffer in model\.module\.buffers\(\):", "for buffer in ():"),
     Mutant(7, "a stop signal only at the end of an epoch",
            r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
     # 08
@@ -120,22 +133,25 @@ MUTANTS = [
            "MixedPrecisionPolicy(param_dtype=amp_dtype)"),
     Mutant(8, "nn.Sequential not opened: all residual blocks one unit",
            r"\(child if isinstance\(child, nn\.Sequential\) else \[child\]\)", "[child]"),
-    Mutant(8, "units keep their whole weights after forward", r"fully_shard\(unit, mesh=mesh, mp_policy=policy\)",
+    Mutant(8, "units keep their whole weights after forward",
+           r"fully_shard\(unit, mesh=mesh, mp_policy=policy\)",
            "fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=False)"),
     Mutant(8, "batch-norm buffers not broadcast", r"^(\s+)dist\.broadcast\(buffer, 0\)", r"\1pass"),
     Mutant(8, "--resume auto takes an unfinished save", r'"epoch\*\[0-9\]"\)\), default=""',
            '"epoch*")), default=""'),
-    Mutant(8, "gradients reduced on every accumulated pass", r"set_requires_gradient_sync\(last_pass\)",
-           "set_requires_gradient_sync(True)"),
+    Mutant(8, "gradients reduced on every accumulated pass",
+           r"set_requires_gradient_sync\(last_pass\)", "set_requires_gradient_sync(True)"),
     Mutant(8, "a DCP resume without the optimizer state (momentum, learning rate)",
-           r'(?s)state = \{"model": model_state, "optim": optim_state, "position": b""\}(.*?)set_state_dict\(model, '
-           r'optimizer, model_state_dict=state\["model"\], optim_state_dict=state\["optim"\]\)',
-           r'state = {"model": model_state, "position": b""}\1set_model_state_dict(model, state["model"])'),
+           r'(?s)state = \{"model": model_state, "optim": optim_state, "position": b""\}(.*?)'
+           r'set_state_dict\(model, optimizer, model_state_dict=state\["model"\],\s+'
+           r'optim_state_dict=state\["optim"\]\)',
+           r'state = {"model": model_state, "position": b""}'
+           r'\1set_model_state_dict(model, state["model"])'),
     Mutant(8, "a DCP resume without the loss scale",
            r'state=pickle\.loads\(state\["position"\]\), scheduler=scheduler, scaler=scaler,',
            'state=pickle.loads(state["position"]), scheduler=scheduler,'),
-    Mutant(8, "evaluation without the all-reduce", r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)",
-           r"\1totals = totals\2"),
+    Mutant(8, "evaluation without the all-reduce",
+           r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
 ]
 
 
@@ -156,9 +172,10 @@ def plant(mutant, root):
 
 
 def copy_repo(folder):
-    """The tracked and untracked (not ignored) files of the repository, as they are in the working tree."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
+    """The tracked and untracked (not ignored) files of the repository, as they are in the working
+    tree."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
     for name in filter(None, files):
         if (REPO / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -167,25 +184,30 @@ def copy_repo(folder):
 
 
 def check(mutant, log_dir, tests):
-    """(verdict, seconds, log file) of one mutant under `tests`; mutant.pattern None: the step as it is, which must
-    pass."""
+    """(verdict, seconds, log file) of one mutant under `tests`; mutant.pattern None: the step as it
+    is, which must pass."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
         root = copy_repo(Path(tmp))
         if mutant.pattern is not None:
             plant(mutant, root)
-        proc = subprocess.run([PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = log_dir / f"{mutant.step:02d}-{re.sub(r'[^a-z0-9]+', '-', mutant.bug.lower()).strip('-')}.log"
+        pytest = [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        proc = subprocess.run(pytest, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    slug = re.sub(r'[^a-z0-9]+', '-', mutant.bug.lower()).strip('-')
+    log = log_dir / f"{mutant.step:02d}-{slug}.log"
     log.write_text(proc.stdout)
-    # -x under pytest-xdist ends a run with a failure as interrupted (exit 2): the summary line says it failed (or
-    # errored: a fixture's run that failed)
+    # -x under pytest-xdist ends a run with a failure as interrupted (exit 2): the summary line says
+    # it failed (or errored: a fixture's run that failed)
     summary = (proc.stdout.splitlines() or [""])[-1]
     failed = proc.returncode in (1, 2) and re.search(r"\d+ (failed|errors?)\b", summary)
-    if mutant.pattern is None:  # a skipped test (no Horovod, no Slurm) would hold nothing: every test must run
-        verdict = "PASSED" if proc.returncode == 0 and "skipped" not in summary else f"FAILED ({summary.strip('= ')})"
+    # a skipped test (no Horovod, no Slurm) would hold nothing: every test must run
+    if mutant.pattern is None:
+        passed = proc.returncode == 0 and "skipped" not in summary
+        verdict = "PASSED" if passed else f"FAILED ({summary.strip('= ')})"
     else:
-        verdict = "MISSED" if proc.returncode == 0 else "CAUGHT" if failed else f"ERROR (pytest exit {proc.returncode})"
+        error = f"ERROR (pytest exit {proc.returncode})"
+        verdict = "MISSED" if proc.returncode == 0 else "CAUGHT" if failed else error
     return verdict, time.monotonic() - started, log
 
 
@@ -193,12 +215,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", type=int, action="append", choices=sorted(TESTS),
                         help="only this step's (repeatable)")
-    parser.add_argument("--bug", action="append", metavar="TEXT", help="only the mutants whose bug says TEXT")
+    parser.add_argument("--bug", action="append", metavar="TEXT",
+                        help="only the mutants whose bug says TEXT")
     parser.add_argument("--test", action="append", metavar="TEXT",
-                        help="only the step's tests whose name says TEXT: which of them catch a bug")
-    parser.add_argument("--list", action="store_true", help="list the mutants and the tests, run nothing")
-    parser.add_argument("--log-dir", default=REPO / "runs" / "mutation_check", help="one pytest log per mutant")
-    parser.add_argument("--docs", metavar="MD", help="write the verdicts into this page (docs/testing.md)")
+                        help="only the step's tests whose name says TEXT: which of them catch a "
+                             "bug")
+    parser.add_argument("--list", action="store_true",
+                        help="list the mutants and the tests, run nothing")
+    parser.add_argument("--log-dir", default=REPO / "runs" / "mutation_check",
+                        help="one pytest log per mutant")
+    parser.add_argument("--docs", metavar="MD",
+                        help="write the verdicts into this page (docs/testing.md)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if (not args.step or m.step in args.step)
               and (not args.bug or any(text in m.bug for text in args.bug))]
@@ -214,19 +241,23 @@ def main(argv=None):
     for step in sorted({m.step for m in chosen}):
         tests = [t for t in TESTS[step] if not args.test or any(text in t for text in args.test)]
         # First the step as it is: its tests must pass, or no failure below would say anything.
-        verdict, seconds, log = check(Mutant(step, "none (the step as it is)", None, None), log_dir, tests)
-        print(f"{step:02d}  {verdict:<7} {seconds:6.0f} s  none planted: the step as it is  ({log})", flush=True)
+        as_is = Mutant(step, "none (the step as it is)", None, None)
+        verdict, seconds, log = check(as_is, log_dir, tests)
+        print(f"{step:02d}  {verdict:<7} {seconds:6.0f} s  "
+              f"none planted: the step as it is  ({log})", flush=True)
         for mutant in (m for m in chosen if m.step == step):
             if verdict == "PASSED":
                 result = check(mutant, log_dir, tests) if applies(mutant) else ("STALE", 0.0, None)
             else:
-                result = ("UNSURE", 0.0, None)  # the tests fail without a planted bug: fix that first
+                # the tests fail without a planted bug: fix that first
+                result = ("UNSURE", 0.0, None)
             verdicts.append((mutant, result[0]))
-            print(f"{step:02d}  {result[0]:<7} {result[1]:6.0f} s  {mutant.bug}" + (f"  ({result[2]})" if result[2]
-                                                                                     else ""), flush=True)
+            where = f"  ({result[2]})" if result[2] else ""
+            print(f"{step:02d}  {result[0]:<7} {result[1]:6.0f} s  {mutant.bug}{where}", flush=True)
     caught = sum(verdict == "CAUGHT" for _, verdict in verdicts)
     summary = f"{caught} of {len(verdicts)} planted bugs caught"
-    print(summary + ("" if caught == len(verdicts) else ": each one not CAUGHT above needs a harder test"))
+    print(summary + ("" if caught == len(verdicts)
+                     else ": each one not CAUGHT above needs a harder test"))
     if args.docs:
         write_docs(Path(args.docs), verdicts, summary, time.monotonic() - started, argv)
     return 0 if caught == len(verdicts) else 1
@@ -238,25 +269,31 @@ def label(mutant):
 
 
 def write_docs(page, verdicts, summary, seconds, argv):
-    """The verdicts as a table between the page's mutation-verdicts marks: this run's rows replace those of the same
-    bugs, the others stay as an earlier run left them (each row says when it was run)."""
+    """The verdicts as a table between the page's mutation-verdicts marks: this run's rows replace
+    those of the same bugs, the others stay as an earlier run left them (each row says when it was
+    run)."""
     import torch
 
     start, end = "<!-- mutation-verdicts -->\n", "<!-- /mutation-verdicts -->"
     source = page.read_text()
     old = source[source.index(start) + len(start):source.index(end)]
     today = datetime.date.today()
-    rows = {row.rsplit(" | ", 2)[0]: row for row in old.splitlines() if re.match(r"\| \d\d \|", row)}
+    rows = {row.rsplit(" | ", 2)[0]: row for row in old.splitlines()
+            if re.match(r"\| \d\d \|", row)}
     rows.update({label(m): f"{label(m)} | {verdict} | {today} |" for m, verdict in verdicts})
-    rows = [rows.get(label(m), f"{label(m)} | not run | |") for m in MUTANTS]  # mutants that are gone: dropped
+    # mutants that are gone: dropped
+    rows = [rows.get(label(m), f"{label(m)} | not run | |") for m in MUTANTS]
     caught = sum(" | CAUGHT | " in row for row in rows)
-    command = shlex.join(["python", "tests/mutation_check.py", *(argv if argv is not None else sys.argv[1:])])
+    arguments = argv if argv is not None else sys.argv[1:]
+    command = shlex.join(["python", "tests/mutation_check.py", *arguments])
     text = "\n".join([
         f"{caught} of {len(rows)} planted bugs caught. Latest run: {today}, `{command}`, on "
-        f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}: "
+        f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, "
+        f"torch {torch.__version__}: "
         f"{summary}, in {seconds / 60:.0f} minutes.", "",
         "| step | planted bug | verdict | run |", "|---|---|---|---|", *rows])
-    page.write_text(source[:source.index(start) + len(start)] + text + "\n" + source[source.index(end):])
+    head = source[:source.index(start) + len(start)]
+    page.write_text(head + text + "\n" + source[source.index(end):])
 
 if __name__ == "__main__":
     sys.exit(main())

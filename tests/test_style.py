@@ -1,0 +1,85 @@
+"""The collection reads plainly: ruff (pyproject.toml) is clean, and the steps keep the rules a
+linter cannot hold (docs/testing.md): few trailing comments, no tag without words, no conditional
+expression over several lines or inside another, no lambda that decides or calls a collective; the
+README is a map within 100 columns that names no commit."""
+import ast
+import io
+import re
+import subprocess
+import tokenize
+
+import pytest
+
+from helpers import BIN, REPO
+from test_steps_in_line import COLLECTIVES
+
+STEPS = sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py"))
+TRAILING = 0.05  # trailing comments, `# collective` and linter directives aside, per code line
+LABELS = re.compile(r"# (collective|noqa\b.*)$")
+
+
+def test_ruff_is_clean():
+    proc = subprocess.run([BIN / "ruff", "check", "--no-cache", "."], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout
+
+
+def comments(path):
+    """(trailing comments, full-line comments, code lines) of a script."""
+    source = (REPO / path).read_text()
+    trailing, alone, code = [], [], set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            (alone if token.line[:token.start[1]].strip() == "" else trailing).append(token)
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                tokenize.ENDMARKER):
+            code.update(range(token.start[0], token.end[0] + 1))
+    return trailing, alone, code
+
+
+@pytest.mark.parametrize("path", STEPS)
+def test_few_trailing_comments_and_every_tag_has_words(path):
+    trailing, alone, code = comments(path)
+    other = [t for t in trailing if not LABELS.match(t.string)]
+    assert len(other) <= TRAILING * len(code), (
+        f"{path}: {len(other)} trailing comments on {len(code)} code lines (at most "
+        f"{TRAILING:.0%}): "
+        "put a sentence above the paragraph instead\n" + "\n".join(t.line.rstrip() for t in other))
+    empty = [t.line.rstrip() for t in trailing + alone
+             if re.fullmatch(r"#\s*[\w ./-]+:\s*", t.string)]
+    assert not empty, f"{path}: tags without words:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("path", STEPS)
+def test_plain_lines(path):
+    """No conditional expression over several lines or inside another; no lambda that calls
+    something or calls a collective (name a function instead)."""
+    tree = ast.parse((REPO / path).read_text())
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.IfExp):
+            if node.end_lineno != node.lineno:
+                problems.append(f"line {node.lineno}: a conditional expression over several lines")
+            if any(isinstance(inner, ast.IfExp) for inner in ast.walk(node) if inner is not node):
+                problems.append(f"line {node.lineno}: a conditional expression inside another")
+        if isinstance(node, ast.Lambda) and (
+                any(isinstance(inner, (ast.IfExp, ast.BoolOp, ast.Compare))
+                    for inner in ast.walk(node))
+                or COLLECTIVES.search(ast.unparse(node))):
+            problems.append(f"line {node.lineno}: a lambda that decides or meets the other ranks: "
+                            f"{ast.unparse(node)}")
+    assert not problems, f"{path}:\n" + "\n".join(problems)
+
+
+def test_the_readme_is_a_map():
+    """Prose within 100 columns (a table row or a command may be longer), no commit hashes."""
+    text = (REPO / "README.md").read_text()
+    in_code, long = False, []
+    for number, line in enumerate(text.splitlines(), 1):
+        in_code ^= line.startswith("```")
+        if len(line) > 100 and not in_code and not line.startswith(("|", "```")):
+            long.append(f"{number}: {line[:60]}...")
+    assert not long, "README prose over 100 columns:\n" + "\n".join(long)
+    hashes = [word for word in re.findall(r"\b[0-9a-f]{7,40}\b", text)
+              if re.search(r"[a-f]", word) and re.search(r"\d", word)]
+    assert not hashes, f"the README names commits: {hashes}"
