@@ -106,7 +106,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % args.grad_accum == 0
+        last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = F.cross_entropy(model(images), labels)
         # Gradients add up over a group's passes; one optimizer step per group (fp16: if finite).
@@ -120,7 +120,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         totals[1] += len(labels)
         meter.batch_done()
         # A stop signal (SIGTERM, SIGUSR1) ends the epoch after a whole optimizer step.
-        if last_pass and stop.requested((step + 1) // args.grad_accum):
+        if last_pass and stop.requested(step // args.grad_accum + 1):
             break
     return meter.row(totals)
 
@@ -168,7 +168,7 @@ def main(argv=None):
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = len(train_loader) // args.grad_accum
+    steps_per_epoch = sampler.steps
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     # DataParallel: its replica threads start at the default autocast dtype (GPUs: fp16): ours.

@@ -10,13 +10,13 @@ import datetime
 import gc
 import glob
 import json
-import math
 import os
 import shutil
 import sys
 import warnings
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -112,20 +112,11 @@ def build_loaders(args, train_set, test_set):
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())
-    # DDP: evaluation shards the test set without padding, so that no image counts twice.
-    shard = range(dist.get_rank(), len(test_set), dist.get_world_size())
-    # DeepSpeed: ZeRO-3's forward is collective: as many batches on every rank (even_batch_size).
-    batch = even_batch_size(len(test_set), dist.get_world_size(), 512)
-    test_loader = DataLoader(test_set, batch_size=batch, sampler=shard, num_workers=args.workers,
+    # DDP: evaluation shards the test set without padding, in as many batches on every rank.
+    batches = data.eval_batches(len(test_set), dist.get_rank(), dist.get_world_size())
+    test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
-
-
-# DeepSpeed: a batch size of at most `most` that splits every rank's shard of `images` (they differ
-# by one image at most) into as many batches: the fewest the largest shard needs, filled evenly.
-def even_batch_size(images, ranks, most):
-    largest = math.ceil(images / ranks)
-    return math.ceil(largest / math.ceil(largest / most))
 
 
 # ------------------------------------------------------------ model
@@ -189,8 +180,13 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % args.grad_accum == 0
-        # DeepSpeed: the engine casts; on a group's last pass it averages, clips, steps and zeroes.
+        last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
+        # DeepSpeed: float batches in the engine's precision (uint8 ones: our models cast them).
+        # The engine's group ends where ours does (an epoch's last group may be shorter); on its
+        # last pass it averages, clips, steps and zeroes.
+        if images.is_floating_point():
+            images = images.to(engine_dtype(engine))
+        engine.set_gradient_accumulation_boundary(last_pass)
         loss = F.cross_entropy(engine(images).float(), labels)  # collective
         engine.backward(loss)  # collective
         engine.step()  # collective
@@ -198,7 +194,7 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
         totals[1] += len(labels)
         meter.batch_done()
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
-        if last_pass and stop.requested((step + 1) // args.grad_accum):  # collective
+        if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
     # DDP: every rank saw other images: the sums over the ranks, and every rank's timing.
     dist.all_reduce(totals)  # collective
@@ -219,6 +215,8 @@ def evaluate(args, engine, loader, device):
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
         # DeepSpeed: as in training.
+        if images.is_floating_point():
+            images = images.to(engine_dtype(engine))
         logits = engine(images).float()  # collective
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
@@ -227,6 +225,15 @@ def evaluate(args, engine, loader, device):
     dist.all_reduce(totals)  # collective
     loss_sum, correct, count = totals.tolist()
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
+
+
+# DeepSpeed: the precision the engine runs the model in (its config's bf16 or fp16, else fp32).
+def engine_dtype(engine):
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
 
 
 # ------------------------------------------------------------ checkpoint
@@ -289,11 +296,12 @@ def main(argv=None):
     # SIGTERM or SIGUSR1: finish the optimizer step, save, exit with status 75.
     # DDP: every rank stops after the same step (stop_agreement).
     group = dist.new_group(backend="gloo")  # collective
-    stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
+    # DeepSpeed: a signal to its launcher's own process stops every rank too (the ranks watch it).
+    stop = preempt.Stop(args.stop_after, agree=stop_agreement(group), watch=launcher_pid())
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = len(train_loader) // args.grad_accum
+    steps_per_epoch = sampler.steps
     # DeepSpeed: an engine checkpoint restores everything, into the engine; else any step's
     # checkpoint-epochNNNN.pt gives the weights (before ZeRO shards them) and its epoch.
     found = engine_checkpoint(args)
@@ -369,6 +377,15 @@ def import_deepspeed():
         return "untested optimizer" not in record.getMessage()
     deepspeed.utils.logger.addFilter(not_about_sgd)
     return deepspeed
+
+
+# plumbing: the deepspeed runner (the launcher's own process, parent of the launch.py that started
+# this rank), or None under another launcher.
+def launcher_pid():
+    parent = psutil.Process(os.getppid())
+    if "deepspeed.launcher.launch" in " ".join(parent.cmdline()):
+        return parent.ppid()
+    return None
 
 
 # plumbing: the module that every function above calls `deepspeed`.

@@ -102,9 +102,10 @@ def build_loaders(args, train_set, test_set):
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())
-    # Horovod: the test set sharded by its rank and size, without padding: no image counts twice.
-    shard = range(hvd.rank(), len(test_set), hvd.size())
-    test_loader = DataLoader(test_set, batch_size=512, sampler=shard, num_workers=args.workers,
+    # Horovod: the test set sharded by its rank and size, without padding (no image counts twice),
+    # in as many batches on every rank.
+    batches = data.eval_batches(len(test_set), hvd.rank(), hvd.size())
+    test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
@@ -160,7 +161,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % args.grad_accum == 0
+        last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         # Horovod: the forward meets the other ranks with --sync-bn; on a group's last pass backward
         # starts each gradient's allreduce, and the scaler unscales them once all have arrived.
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -178,7 +179,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         totals[1] += len(labels)
         meter.batch_done()
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
-        if last_pass and stop.requested((step + 1) // args.grad_accum):  # collective
+        if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
     # Horovod: sums over the ranks (its allreduce averages by default), and every rank's timing.
     totals = hvd.allreduce(totals, op=hvd.Sum, name="train_totals")  # collective
@@ -247,7 +248,7 @@ def main(argv=None):
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = len(train_loader) // args.grad_accum
+    steps_per_epoch = sampler.steps
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     # --compile: the compiled model shares the weights; checkpoints save `model`.

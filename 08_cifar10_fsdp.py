@@ -10,7 +10,6 @@ shards from every rank, and the gathered checkpoint-epochNNNN.pt.
 import datetime
 import gc
 import glob
-import math
 import os
 import pickle
 import shutil
@@ -109,19 +108,11 @@ def build_loaders(args, train_set, test_set):
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())
-    # DDP: evaluation shards the test set without padding, so that no image counts twice.
-    shard = range(dist.get_rank(), len(test_set), dist.get_world_size())
-    # FSDP: every rank evaluates as many batches (even_batch_size): each forward meets the others.
-    test_loader = DataLoader(test_set, batch_size=even_batch_size(test_set), sampler=shard,
-                             num_workers=args.workers, pin_memory=torch.accelerator.is_available())
+    # DDP: evaluation shards the test set without padding, in as many batches on every rank.
+    batches = data.eval_batches(len(test_set), dist.get_rank(), dist.get_world_size())
+    test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
+                             pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
-
-
-# FSDP: batches of at most 512 that give every rank as many (a shard is one image short at most).
-def even_batch_size(test_set):
-    largest_shard = math.ceil(len(test_set) / dist.get_world_size())
-    batches = math.ceil(largest_shard / 512)
-    return math.ceil(largest_shard / batches)
 
 
 # ------------------------------------------------------------ model
@@ -133,12 +124,26 @@ def build_model(args, info):
     return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
+# FSDP: the modules that become units of their own (yours may need others): every child with
+# weights, containers opened up (ResNet-18's residual blocks are a unit each).
+def units(module):
+    for child in module.children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            yield from units(child)
+        elif list(child.parameters()):
+            yield child
+
+
 # FSDP: amp_dtype for the policy (not autocast); NCHW weights (--channels-last: batches only).
 def prepare_model(args, model, device, amp_dtype):
     model = model.to(device)
     # DDP: --sync-bn: batch-norm statistics over the global batch, not each rank's.
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # FSDP: every rank starts from rank 0's weights and buffers (fully_shard keeps each rank's
+    # slice of its own initialisation, so a build_model that draws otherwise would diverge).
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, 0)  # collective
     # FSDP: one mesh of all ranks; units gather and compute in amp_dtype, reduce in fp32.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
@@ -146,11 +151,10 @@ def prepare_model(args, model, device, amp_dtype):
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for norm in norms:
         fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=amp_dtype))
-    # FSDP: a unit per layer with weights, nn.Sequential opened up (ResNet-18: each residual block).
-    for child in model.children():
-        for unit in (child if isinstance(child, nn.Sequential) else [child]):
-            if unit not in norms and list(unit.parameters()):
-                fully_shard(unit, mesh=mesh, mp_policy=policy)
+    # FSDP: then a unit per block (units, above): each gathers its weights only while it computes.
+    for unit in units(model):
+        if unit not in norms:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
     # FSDP: the root unit holds what is left, and returns fp32 logits.
     root_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32,
                                        output_dtype=torch.float32)
@@ -180,7 +184,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        last_pass = (step + 1) % args.grad_accum == 0
+        last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         # FSDP: gradients reduce-scattered on a group's last pass only. Forward and backward gather
         # each unit's weights just before it runs (the policy casts: no autocast).
         model.set_requires_gradient_sync(last_pass)
@@ -197,7 +201,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         totals[1] += len(labels)
         meter.batch_done()
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
-        if last_pass and stop.requested((step + 1) // args.grad_accum):  # collective
+        if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
     # DDP: every rank saw other images: the sums over the ranks, and every rank's timing.
     dist.all_reduce(totals)  # collective
@@ -266,10 +270,11 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 
 def resume(args, model, optimizer, scheduler, scaler):
     # FSDP: a DCP checkpoint (auto: the newest complete one) is resharded to this number of ranks.
-    folder = args.resume or ""
-    if args.resume == "auto":
-        folder = max(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")), default="")
-    if os.path.isdir(folder):
+    # Rank 0 chooses it for every rank: without a shared disk their views could differ.
+    folder = [dcp_folder(args) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)  # collective
+    folder = folder[0]
+    if folder:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "position": b""}
         dcp.load(state, checkpoint_id=folder)  # collective
@@ -289,6 +294,14 @@ def resume(args, model, optimizer, scheduler, scaler):
                              scaler=scaler, verbose=dist.get_rank() == 0)
 
 
+# FSDP: the DCP folder --resume names (auto: the newest complete one in --out-dir), or "".
+def dcp_folder(args):
+    folder = args.resume or ""
+    if args.resume == "auto":
+        folder = max(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")), default="")
+    return folder if os.path.isdir(folder) else ""
+
+
 # ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
@@ -305,7 +318,7 @@ def main(argv=None):
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     # FSDP: the model's MixedPrecisionPolicy casts to amp_dtype.
     model = prepare_model(args, build_model(args, info), device, amp_dtype)
-    steps_per_epoch = len(train_loader) // args.grad_accum
+    steps_per_epoch = sampler.steps
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
     # --compile: the compiled model shares the weights; checkpoints save `model`.

@@ -120,6 +120,8 @@ def list_checkpoints(out_dir):
 def load(path, arch=None, mmap=False):
     """Load and validate a checkpoint of this collection; any problem is one UserError with the fix
     (mmap: map it)."""
+    if os.path.isdir(path):
+        raise UserError(_not_a_file(path))
     if not os.path.isfile(path):
         raise UserError(f"--resume {path}: no such file (use --resume auto to pick the newest "
                         "checkpoint in --out-dir)")
@@ -148,6 +150,62 @@ def load(path, arch=None, mmap=False):
         raise UserError(f"{path} holds a {state['arch']} model but this run uses --arch {arch}: "
                         f"pass --arch {state['arch']}")
     return state
+
+
+def _newest(folder):
+    """The newest epoch's folder in ds_checkpoints/ or dcp/, or `folder` if it is one epoch's."""
+    if TAG.fullmatch(os.path.basename(os.path.normpath(folder))):
+        return folder
+    return os.path.join(folder, max((n for n in os.listdir(folder) if TAG.fullmatch(n)),
+                                    default="none"))
+
+
+def _beside(folder):
+    """The checkpoint-epochNNNN.pt that 05 or 08 writes with a folder of its own checkpoints (or
+    with their newest), whether it is there or not."""
+    epoch = os.path.abspath(_newest(folder))
+    return os.path.join(os.path.dirname(os.path.dirname(epoch)),
+                        f"checkpoint-{os.path.basename(epoch)}.pt")
+
+
+def library_folder(path):
+    """(kind, the folder to resume) of a folder of the libraries' own checkpoints, or (None, path):
+    "deepspeed", 05's engine checkpoint (ds_checkpoints/ with its `latest` file, or one epoch's
+    folder of *model_states.pt); "dcp", 08's torch.distributed.checkpoint shards (a folder with a
+    .metadata file, or dcp/ holding them: the newest)."""
+    path = os.path.normpath(path)
+    if (os.path.isfile(os.path.join(path, "latest"))
+            or glob.glob(os.path.join(glob.escape(path), "*model_states.pt"))):
+        return "deepspeed", path
+    for folder in (path, _newest(path)):
+        if os.path.isfile(os.path.join(folder, ".metadata")):
+            return "dcp", folder
+    return None, path
+
+
+def _not_a_file(path):
+    """load()'s line for a folder: 05's or 08's own checkpoint, which only that step resumes (any
+    step resumes the checkpoint-epochNNNN.pt it writes beside it), or some other folder."""
+    kind, folder = library_folder(path)
+    if kind is None:
+        return (f"--resume {path} is a folder, not a checkpoint file: pass a "
+                "checkpoint-epochNNNN.pt, or --resume auto to pick the newest in --out-dir")
+    step, script = ("05", "05_cifar10_deepspeed.py") if kind == "deepspeed" else (
+        "08", "08_cifar10_fsdp.py")
+    beside = _beside(folder)
+    shown = f"the checkpoint-epochNNNN.pt that {step} wrote into the same --out-dir"
+    if os.path.isfile(beside):
+        shown = beside if os.path.relpath(beside).startswith(os.pardir) else os.path.relpath(beside)
+    which = "it" if folder == os.path.normpath(path) else folder
+    if kind == "deepspeed":
+        return (f"--resume {path} is a DeepSpeed checkpoint folder (step 05's engine checkpoint), "
+                f"which only {script} resumes: resume {which} with that step, or continue with "
+                f"this one from {shown} (its weights; momentum starts from zero)")
+    # dcp_to_torch of torch.distributed.checkpoint.format_utils makes a plain torch file of the
+    # folder, not a checkpoint of this format: not offered.
+    return (f"--resume {path} is a DCP checkpoint folder (step 08's torch.distributed.checkpoint "
+            f"shards), which only {script} resumes: resume {which} with that step, or continue "
+            f"with this one from {shown} (the same epoch, gathered into one file)")
 
 
 def _find(resume, out_dir, arch, verbose):
@@ -263,16 +321,12 @@ def _settings_to_continue(args):
     # Nothing to continue, or a new start.
     if args.resume is None or (args.resume == "auto" and args.overwrite):
         return {}
-    found, folder = [args.resume], os.path.abspath(args.resume)
+    found = [args.resume]
     if args.resume == "auto":
         found = list_checkpoints(args.out_dir)
     elif os.path.isdir(args.resume):
         # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
-        if not TAG.fullmatch(os.path.basename(folder)):
-            newest = max((n for n in os.listdir(folder) if TAG.fullmatch(n)), default="none")
-            folder = os.path.join(folder, newest)
-        name = f"checkpoint-{os.path.basename(folder)}.pt"
-        beside = os.path.join(os.path.dirname(os.path.dirname(folder)), name)
+        beside = _beside(args.resume)
         found = [beside] if os.path.isfile(beside) else []
     for path in found:
         try:

@@ -99,7 +99,8 @@ def shared_parser(description, step, archs):
     parser = _Parser(description=description)
     add = parser.add_argument
     add("--data-dir", default="./data",
-        help="the data (CIFAR-10: the folder of cifar-10-batches-py/; default ./data)")
+        help="the data set root (CIFAR-10: the folder holding cifar-10-batches-py/, downloaded if "
+        "missing; default ./data)")
     add("--out-dir", default=f"runs/{step}",
         help=f"checkpoints, metrics.jsonl, curves (default runs/{step})")
     add("--epochs", type=positive_int, default=30, help="total epochs (default 30)")

@@ -158,17 +158,21 @@ def cifar10(data_dir, seed=0):
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """The indices `sampler` (a DistributedSampler) gives for an epoch, cut to whole optimizer steps
-    of `step_size` indices (batch x accumulation); after a stop part-way, only those after the steps
-    done, none of which is loaded (accelerate's skip_first_batches does it for a loader).
-    set_epoch() also tells the data set (ours: its crops)."""
+    """Every index `sampler` (a DistributedSampler) gives for an epoch, in optimizer steps of
+    `step_size` indices (batch x accumulation), the last of them smaller where the shard is not a
+    multiple of it; after a stop part-way, only those after the steps done, none of which is loaded
+    (accelerate's skip_first_batches does it for a loader). set_epoch() also tells the data set
+    (ours: its crops)."""
 
     def __init__(self, sampler, step_size):
         self.sampler, self.step_size, self.skip = sampler, step_size, 0
-        self.steps = len(sampler) // step_size
+        whole, rest = divmod(len(sampler), step_size)
+        self.steps = whole + (rest > 0)
         if not self.steps:
-            raise UserError(f"{len(sampler)} training images are too few for an optimizer step of "
-                            f"{step_size} (per process): lower --batch-size or --grad-accum")
+            total = len(getattr(sampler, "dataset", ()))
+            raise UserError(f"no training images for this process: its shard of the {total} "
+                            "training images is empty; give every process at least one (more "
+                            "training images or fewer processes)")
 
     def set_epoch(self, epoch, part=None):
         """Epoch `epoch`; `part`: the metrics row a run stopped in it saved ("steps" done of
@@ -182,7 +186,34 @@ class EpochSampler(torch.utils.data.Sampler):
         return done
 
     def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip, self.steps * self.step_size)
+        return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self):
-        return self.steps * self.step_size - self.skip
+        return len(self.sampler) - self.skip
+
+
+def eval_batches(size, rank, world, most=512):
+    """The evaluation batches of rank `rank` of `world` (for a DataLoader's batch_sampler=): its
+    shard range(rank, size, world) of a test set of `size` images, unpadded, in contiguous runs of
+    at most `most` indices. Every rank gets exactly as many batches as every other (their sizes
+    within a rank differing by at most one): under ZeRO-3 or FSDP every forward is collective, and
+    a rank with one batch more would wait alone for the others."""
+    if most < 2:
+        # With batches of 1, shards of unequal size cannot have as many batches.
+        raise ValueError(f"eval_batches needs most >= 2, not {most}")
+    if size < world:
+        raise UserError(f"{size} test images cannot give each of the {world} processes one: "
+                        "use more test images or fewer processes")
+    shard = range(rank, size, world)
+    # The batches of the largest shard; a shard is at most one image smaller, so it fills as many.
+    largest, extra = divmod(size, world)
+    largest += extra > 0
+    count, rest = divmod(largest, most)
+    count += rest > 0
+    base, longer = divmod(len(shard), count)
+    batches, start = [], 0
+    for number in range(count):
+        end = start + base + (number < longer)
+        batches.append(list(shard[start:end]))
+        start = end
+    return batches

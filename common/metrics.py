@@ -3,6 +3,7 @@ weight digest), and Meter (one rank's figures of an epoch's loop: its timing, an
 trace)."""
 import contextlib
 import json
+import math
 import os
 import re
 import resource
@@ -55,8 +56,8 @@ class Log:
             where = device if world == 1 else f"{world} x {device.type}"
             tag = "  [SYNTHETIC DATA, not CIFAR-10]" if self.info.synthetic else ""
             print(f"{self.step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, "
-                  f"{len(loader.dataset)} training images, {len(loader) // args.grad_accum} "
-                  "steps/epoch" + tag, flush=True)
+                  f"{len(loader.dataset)} training images, "
+                  f"{math.ceil(len(loader) / args.grad_accum)} steps/epoch" + tag, flush=True)
 
     def epoch(self, row):
         """A finished epoch's row into metrics.jsonl (a part-way one is in its checkpoint instead),
@@ -221,7 +222,8 @@ class Meter:
         if it stopped part-way."""
         self._profile_stop()
         self.bar.close()
-        part, steps = self.part, self.skipped + self.passes // self.grad_accum
+        # An epoch's last optimizer step may have fewer passes: it counts as one.
+        part, steps = self.part, self.skipped + math.ceil(self.passes / self.grad_accum)
         loss_sum, seen = totals.tolist()
         loss_sum += part.get("train_loss", 0.0) * part.get("images", 0)
         seen += part.get("images", 0)

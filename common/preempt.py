@@ -7,15 +7,18 @@ starts a max over ranks of a one-element CPU tensor without waiting and returns 
 Stop starts one every CHECK_EVERY steps and reads it at the next look, when it has long arrived.
 Processes started after Stop() (DataLoader workers) inherit the two signals blocked, lest Slurm's
 signal kill a worker and the training process with it; the exit ends them with SIGKILL
-(end_workers_at_exit), as SIGTERM would wait forever."""
+(end_workers_at_exit), as SIGTERM would wait forever. Stop(watch=PID) also stops as on SIGTERM
+once process PID ends: step 05's ranks watch the deepspeed runner, which a signal ends alone."""
 import atexit
 import contextlib
 import multiprocessing
 import os
 import signal
 import threading
+import time
 from multiprocessing import resource_tracker
 
+import psutil
 import torch
 
 from .cli import rank
@@ -25,12 +28,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_REQUEUE = 75
 # Optimizer steps between two looks at the stop flag: a signal ends the epoch within 2 x this.
 CHECK_EVERY = 8
+# Seconds between two looks at a watched process (Stop(watch=PID)).
+WATCH_EVERY = 0.5
 
 
 class Stop:
-    """Catches SIGTERM and SIGUSR1 from now on; --stop-after N leaves after N epochs of this run."""
+    """Catches SIGTERM and SIGUSR1 from now on; --stop-after N leaves after N epochs of this run.
+    watch: a process id; once that process ends, this one stops as if it received SIGTERM."""
 
-    def __init__(self, stop_after=None, agree=None):
+    def __init__(self, stop_after=None, agree=None, watch=None):
         # The first signal this process received; the ranks agreed to stop.
         self.signal, self.stopped = None, False
         self.stop_after, self._agree, self._pending = stop_after, agree, None
@@ -45,6 +51,10 @@ class Stop:
         # waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         threading.Thread(target=self._wait, daemon=True, name="stop-signals").start()
+        # Daemon threads: neither keeps the process alive at exit.
+        if watch is not None:
+            threading.Thread(target=self._watch, args=(watch,), daemon=True,
+                             name="stop-watch").start()
         # Registered once; multiprocessing's exit handler runs after it.
         if not getattr(end_workers_at_exit, "registered", False):
             atexit.register(end_workers_at_exit)
@@ -56,6 +66,15 @@ class Stop:
     def _wait(self):
         while True:
             self._note(signal.sigwait(SIGNALS))
+
+    def _watch(self, pid):
+        """SIGTERM, as noted, once process `pid` has ended (gone, or a zombie that its parent has
+        not reaped yet)."""
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(WATCH_EVERY)
+        self._note(signal.SIGTERM)
 
     def requested(self, steps=CHECK_EVERY, wait=False):
         """After `steps` optimizer steps of this epoch: True once the ranks agreed that one received

@@ -142,8 +142,9 @@ SLOW_TESTS = {
     "test_a_bad_argument_under_a_launcher_is_said_once",
     "test_a_rehearsal_on_the_cpu_runs_the_whole_check",
     "test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check",
-    "test_a_copy_of_04_with_its_own_data_and_model_trains_and_resumes_exactly",
-    "test_a_copy_of_01_trains_under_plain_python",
+    "test_a_copy_of_04_learns_the_users_data_from_every_image",
+    "test_a_copy_stopped_and_resumed_ends_where_04s_copy_does",
+    "test_a_copy_of_05_trains_float_images_in_the_engines_precision",
     "test_every_requested_run_ran_through_its_launcher_with_its_model",
     "test_json_has_every_figure_or_null",
     "test_markdown_table_has_one_row_per_run_naming_its_model",
@@ -157,12 +158,12 @@ SLOW_TESTS = {
 # one in this order as soon as it is near the end of its queue: heaviest first, so that the run does
 # not end with one worker running a slow file alone while the other idles. A file missing here would
 # come last.
-WEIGHT = {"test_default_model": 134, "test_learning_curves": 120, "test_preemption": 120,
-          "test_05_deepspeed": 116, "test_debugging": 104, "test_bad_input": 89, "test_slurm": 73,
-          "test_exit": 70, "test_steps_01_04": 59, "test_fault_tolerance": 48, "test_07_apex": 44,
-          "test_08_fsdp": 41, "test_benchmark": 40, "test_template": 32, "test_gpu_check": 29,
-          "test_06_horovod": 26, "test_data": 15, "test_readme": 15, "test_checkpoint": 7,
-          "test_gpu_paths": 5, "test_steps_in_line": 1, "test_profile": 1,
+WEIGHT = {"test_preemption": 150, "test_learning_curves": 130, "test_05_deepspeed": 125,
+          "test_debugging": 106, "test_default_model": 96, "test_bad_input": 81, "test_slurm": 75,
+          "test_steps_01_04": 66, "test_07_apex": 59, "test_exit": 54, "test_fault_tolerance": 53,
+          "test_08_fsdp": 51, "test_template": 35, "test_benchmark": 41, "test_gpu_check": 33,
+          "test_06_horovod": 28, "test_data": 8, "test_readme": 8, "test_checkpoint": 8,
+          "test_gpu_paths": 2, "test_style": 1, "test_steps_in_line": 1, "test_profile": 1,
           "test_distributed_sampler": 1}
 
 

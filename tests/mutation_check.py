@@ -53,17 +53,17 @@ TESTS = {
         "tests/test_06_horovod.py::test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on"],
     5: ["tests/test_05_deepspeed.py", f"{PREEMPT}[05-deepspeed]", f"{CURVES}[5]",
         "tests/test_learning_curves.py::test_zero2_in_fp32_is_step_04_bit_for_bit",
-        f"{DEFAULT}[05]", "tests/test_default_model.py::test_bf16_on_the_cpu[05]"],
+        f"{DEFAULT}[05]",
+        "tests/test_template.py::test_a_copy_of_05_trains_float_images_in_the_engines_precision"],
     6: ["tests/test_06_horovod.py", f"{PREEMPT}[06-horovodrun]", f"{CURVES}[6]", f"{DEFAULT}[06]"],
     7: ["tests/test_07_apex.py", f"{PREEMPT}[07-torchrun]", f"{CURVES}[7]", f"{DEFAULT}[07]",
         f"{GPU_PATHS}07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_"
         "checkpoint"],
     8: ["tests/test_08_fsdp.py", f"{PREEMPT}[08-torchrun]", f"{CURVES}[8]", f"{DEFAULT}[08]",
-        "tests/test_default_model.py::test_bf16_on_the_cpu[08]",
         f"{GPU_PATHS}08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu",
         f"{GPU_PATHS}08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step",
         f"{GPU_PATHS}08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward",
-        "tests/test_05_deepspeed.py::test_every_rank_evaluates_in_as_many_batches_as_every_other[8]"],
+        "tests/test_data.py::test_every_distributed_step_evaluates_in_eval_batches"],
 }
 
 MUTANTS = [
@@ -113,7 +113,7 @@ MUTANTS = [
            r"^(\s+)hvd\.broadcast_parameters\(model\.state_dict\(\), "
            r"root_rank=0\)", r"\1pass"),
     Mutant(6, "a stop signal only at the end of an epoch",
-           r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
+           r"if last_pass and stop\.requested\(step // args\.grad_accum \+ 1\):", "if False:"),
     # 07
     Mutant(7, "GradScaler's update() dropped", r"^(\s+)scaler\.update\(\)", r"\1pass"),
     Mutant(7, "the optimizer steps around the scaler", r"^(\s+)scaler\.step\(optimizer\)",
@@ -126,13 +126,13 @@ MUTANTS = [
     Mutant(7, "the Apex path never broadcasts batch-norm buffers",
            r"for buffer in model\.module\.buffers\(\):", "for buffer in ():"),
     Mutant(7, "a stop signal only at the end of an epoch",
-           r"if last_pass and stop\.requested\(\(step \+ 1\) // args\.grad_accum\):", "if False:"),
+           r"if last_pass and stop\.requested\(step // args\.grad_accum \+ 1\):", "if False:"),
     # 08
     Mutant(8, "gradients reduced in the compute dtype (reduce_dtype dropped)",
            r"MixedPrecisionPolicy\(param_dtype=amp_dtype, reduce_dtype=torch\.float32\)",
            "MixedPrecisionPolicy(param_dtype=amp_dtype)"),
     Mutant(8, "nn.Sequential not opened: all residual blocks one unit",
-           r"\(child if isinstance\(child, nn\.Sequential\) else \[child\]\)", "[child]"),
+           r"isinstance\(child, \(nn\.Sequential, nn\.ModuleList, nn\.ModuleDict\)\)", "False"),
     Mutant(8, "units keep their whole weights after forward",
            r"fully_shard\(unit, mesh=mesh, mp_policy=policy\)",
            "fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=False)"),

@@ -63,7 +63,6 @@ def bad_cases(tmp_path, cifar_dir):
         "resume-corrupt": (["--resume", tmp_path / "corrupt.pt"], "not a readable checkpoint"),
         "resume-foreign": (["--resume", tmp_path / "foreign.pt"],
                            "not a checkpoint of this collection"),
-        "batch-larger-than-data": (["--batch-size", "5000"], "training images"),
     }
 
 
@@ -292,3 +291,62 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch):
     assert root_cause(caused, failure(0, exitcode=-signal.SIGTERM)) == 1
     killed = failure(2, exitcode=-signal.SIGKILL)
     assert root_cause(failure(0, RuntimeError(PEER_LOST[0])), killed) == 2
+
+
+# A folder of a library's own checkpoints given to a step that cannot read it: what is in it, which
+# step resumes it ("name"), and the file any step resumes instead ("beside", when it is there).
+LIBRARY_FOLDERS = {
+    # One epoch's DCP folder (08's dcp/epochNNNN), with 08's gathered checkpoint beside it.
+    "dcp-epoch": ("dcp/epoch0003", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "resume it"],
+                  True),
+    # dcp/ itself, alone: its newest epoch is the one to resume, and no file beside names itself.
+    "dcp-parent": ("dcp", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "dcp/epoch0003 with",
+                           "checkpoint-epochNNNN.pt that 08 wrote"], False),
+    "deepspeed": ("ds_checkpoints", ["DeepSpeed checkpoint folder", "05_cifar10_deepspeed.py",
+                                     "momentum starts from zero"], True),
+    "plain-folder": ("elsewhere", ["is a folder, not a checkpoint file"], False),
+}
+
+
+@pytest.mark.parametrize("case", LIBRARY_FOLDERS)
+def test_a_folder_of_another_steps_checkpoints_says_what_it_is_and_which_step_resumes_it(
+        case, tmp_path, capsys):
+    """--resume of 08's DCP folder, 05's ds_checkpoints/ or another folder in 01-07 (settings(),
+    then resume(), as they call them): one line and exit status 2 that say what the folder is and
+    which step resumes it, naming the checkpoint-epochNNNN.pt beside it that this step resumes;
+    never "no such file" for a folder that is there."""
+    from argparse import Namespace
+
+    from common import checkpoint
+    from common.cli import exits_cleanly, shared_parser
+
+    run_dir = tmp_path / "run08"
+    for epoch in ("epoch0002", "epoch0003"):
+        (run_dir / "dcp" / epoch).mkdir(parents=True)
+        (run_dir / "dcp" / epoch / ".metadata").write_bytes(b"\x80 DCP's pickled metadata")
+        (run_dir / "ds_checkpoints" / epoch).mkdir(parents=True)
+        (run_dir / "ds_checkpoints" / epoch / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (run_dir / "ds_checkpoints" / "latest").write_text("epoch0003")
+    (run_dir / "elsewhere").mkdir()
+    folder, says, beside = LIBRARY_FOLDERS[case]
+    if beside:
+        checkpoint.save(str(run_dir), step="08_cifar10_fsdp", arch="cnn_bn", epoch=3,
+                        global_step=30, model_state={"w": torch.zeros(1)},
+                        args=Namespace(epochs=7, arch="cnn_bn"))
+    args = shared_parser("test", "test", {"cnn": None, "cnn_bn": None}).parse_args(
+        ["--out-dir", str(tmp_path / "out01"), "--resume", str(run_dir / folder)])
+
+    @exits_cleanly
+    def step():
+        checkpoint.settings(args).apply(args)
+        checkpoint.resume(args)
+
+    with pytest.raises(SystemExit) as exit_:
+        step()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert all(part in err for part in says) and "no such file" not in err, err
+    if beside:
+        # The settings still come from the file beside it (what --resume of that file continues).
+        assert str(run_dir / "checkpoint-epoch0003.pt") in err, err
+        assert (args.arch, args.epochs) == ("cnn_bn", 7)

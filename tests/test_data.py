@@ -1,4 +1,5 @@
 """The data path: generated data in CIFAR-10's real format, read by torchvision's CIFAR10 class."""
+import math
 import pickle
 
 import pytest
@@ -174,3 +175,89 @@ def test_importing_common_leaves_torchdynamo_unloaded_and_compile_working():
                           text=True)
     assert proc.returncode == 0 and proc.stdout.split() == ["[3.0,", "3.0]", "True"], (
         proc.stdout + proc.stderr)
+
+
+@pytest.mark.parametrize("size, world", [
+    (523_265, 2), (1_046_529, 4), (1025, 2), (1025, 3), (301, 2), (9, 4), (5000, 4), (10000, 3),
+    (512, 1), (513, 1), (1, 1), (4, 4), (1024, 2), (1026, 2), (2049, 4), (7, 3)])
+def test_every_rank_evaluates_every_image_once_in_as_many_batches_as_every_other(size, world):
+    """Under ZeRO-3 (05) and FSDP (08) every forward is collective: a rank with one test batch more
+    would wait alone. 1,025 images on 2 ranks are shards of 513 and 512: 2 batches each, not 2
+    and 1. (On the CPU DeepSpeed 0.19.8 did not hang even so, docs/05-deepspeed.md; a GPU may.)"""
+    ranks = [data.eval_batches(size, rank, world) for rank in range(world)]
+    counts = {len(batches) for batches in ranks}
+    assert len(counts) == 1, (size, world, counts)
+    seen = [index for batches in ranks for batch in batches for index in batch]
+    assert sorted(seen) == list(range(size)), "every image, once"
+    for rank, batches in enumerate(ranks):
+        sizes = [len(batch) for batch in batches]
+        assert 0 < min(sizes) and max(sizes) <= 512 and max(sizes) - min(sizes) <= 1, sizes
+        # the rank's own shard, in order, in contiguous runs
+        assert [i for batch in batches for i in batch] == list(range(rank, size, world))
+    # no more batches than the largest shard needs
+    largest = len(range(0, size, world))
+    assert counts == {math.ceil(largest / 512)}, (size, world, counts)
+
+
+def test_eval_batches_honour_a_smaller_most_and_refuse_a_rank_without_an_image():
+    batches = [data.eval_batches(21, rank, 2, most=4) for rank in range(2)]
+    assert [[len(b) for b in rank] for rank in batches] == [[4, 4, 3], [4, 3, 3]]
+    with pytest.raises(UserError, match="3 test images cannot give each of the 4 processes one"):
+        data.eval_batches(3, 3, 4)
+
+
+def test_every_distributed_step_evaluates_in_eval_batches():
+    """The steps whose ranks evaluate a shard each (04-08) build their test loaders from
+    eval_batches (the test above holds it to its promise)."""
+    from helpers import REPO
+
+    for number in range(4, 9):
+        path = next(REPO.glob(f"{number:02d}_*.py"))
+        assert "data.eval_batches(" in path.read_text(), path.name
+
+
+def epoch(size, step, world=1, rank=0, epoch=1, part=None):
+    """Rank `rank`'s EpochSampler over `size` images in steps of `step`: (sampler, the indices its
+    epoch yields, the whole shard the DistributedSampler gives)."""
+    order = torch.utils.data.DistributedSampler(range(size), num_replicas=world, rank=rank, seed=0)
+    sampler = data.EpochSampler(order, step)
+    skipped = sampler.set_epoch(epoch, part)
+    order.set_epoch(epoch)
+    return sampler, skipped, list(sampler), list(order)
+
+
+@pytest.mark.parametrize("size, step, steps", [(160, 4, 40), (161, 4, 41), (163, 4, 41),
+                                               (3, 4, 1), (1280, 96, 14), (50000, 384, 131)])
+def test_an_epoch_trains_every_image_of_the_shard_once_in_a_smaller_last_step(size, step, steps):
+    sampler, skipped, got, shard = epoch(size, step)
+    assert skipped == 0 and sampler.steps == steps and got == shard and len(sampler) == size
+    assert sorted(got) == list(range(size)), "every image, once"
+
+
+def test_every_rank_trains_its_whole_shard_in_as_many_steps():
+    """1,281 images on 2 ranks: DistributedSampler's shards of 641 (one image repeated to even
+    them), 11 steps of 64, the last of 1."""
+    shards = [epoch(1281, 64, world=2, rank=rank) for rank in range(2)]
+    assert [s.steps for s, *_ in shards] == [11, 11]
+    assert all(got == shard and len(got) == 641 for _, _, got, shard in shards)
+    assert set(shards[0][2]) | set(shards[1][2]) == set(range(1281))
+
+
+@pytest.mark.parametrize("part, skipped", [({"steps": 10, "of_steps": 20}, 20),
+                                           ({"steps": 1, "of_steps": 3}, 14),
+                                           ({"steps": 19, "of_steps": 20}, 39),
+                                           ({"steps": 20, "of_steps": 20}, 40)])
+def test_a_resumed_part_way_epoch_yields_exactly_the_indices_after_the_skipped_steps(part,
+                                                                                     skipped):
+    """163 images in steps of 4: 41 steps, the last of 3. A stop after a fraction of the epoch (in
+    any batch arithmetic) goes on after as many of the 41 steps (half: round(20.5), 20); a stop
+    at its end leaves the last step to do, never an empty epoch."""
+    sampler, done, got, shard = epoch(163, 4, part=part)
+    assert done == skipped and got == shard[4 * skipped:] and len(sampler) == len(got) > 0
+
+
+def test_an_empty_shard_is_one_clear_error():
+    with pytest.raises(UserError, match="^no training images for this process: ") as error:
+        data.EpochSampler(torch.utils.data.DistributedSampler(range(0), num_replicas=1, rank=0),
+                          4)
+    assert "\n" not in str(error.value)

@@ -279,15 +279,16 @@ def test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check(
     real = util.find_spec
     monkeypatch.setattr(util, "find_spec",
                         lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    argv = [*REHEARSAL, "--steps", "02,05", "--work-dir", str(tmp_path), *SMALL,
-            "--batch-size", "1000"]  # > 256
+    # A learning rate the steps refuse with their one error line.
+    argv = [*REHEARSAL, "--steps", "02,05", "--work-dir", str(tmp_path), *SMALL, "--lr", "-1"]
     assert gpu_check.main(argv) == 1
     results = json.loads((tmp_path / "results.json").read_text())
     runs, output = {r["run"]: r for r in results["runs"]}, capsys.readouterr().out
     run02, run05 = runs["02"], runs["05"]
-    assert run02["outcome"] == "failed" and "256 training images are too few" in run02["why"], run02
+    assert run02["outcome"] == "failed", run02
+    assert "must be a positive finite number" in run02["why"], run02
     assert run05["outcome"] == "skipped" and "DeepSpeed is not installed" in run05["why"], run05
-    assert "gpu_check: FAILED: 02: 256 training images are too few" in output
+    assert "gpu_check: FAILED: 02: " in output and "must be a positive finite number" in output
 
 
 @pytest.mark.parametrize("script", [CHECK, BUNDLE], ids=["gpu_check.sh", "gpu_bundle.sh"])

@@ -4,10 +4,10 @@ weights bit-identical to an uninterrupted run. (The uninterrupted 04 run also se
 other batch arithmetic that 01 continues.)
 
 The signal goes to every process of the job (the launcher, every rank and their DataLoader workers),
-which is what Slurm does to a job step. It is sent once the run prints its start line, so it lands
-part-way through its one epoch (small batches: 40 optimizer steps per rank or more, and a stop lands
-within 24), and the test demands a part-way checkpoint.
-"""
+which is what Slurm does to a job step; to step 05 it goes to the deepspeed launcher's own process
+alone, which the ranks watch (a signal to that process ended it alone before). It is sent once the
+run prints its start line, so it lands part-way through its one epoch (small batches: 40 optimizer
+steps per rank or more, and a stop lands within 24), and the test demands a part-way checkpoint. """
 import contextlib
 import signal
 from pathlib import Path
@@ -76,15 +76,24 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     # `#SBATCH --signal=USR1@120`; scancel, preemption
     sig = signal.SIGUSR1 if number == 1 else signal.SIGTERM
     top = psutil.Process(job.pid)
-    # like Slurm: every process of the job step
-    for process in [*top.children(recursive=True), top]:
+    below = top.children(recursive=True)
+    # Like Slurm: every process of the job step. 05: the deepspeed launcher's own process alone
+    # (kill PID, `timeout`, a container stop), which ends it alone: the ranks watch it (05's
+    # launcher_pid, preempt.Stop(watch=...)) and stop as on the signal itself.
+    targets = [top] if launcher == "deepspeed" else [*below, top]
+    for process in targets:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(sig)
     # Every process ends within seconds of rank 0's last line (its DataLoader workers, which keep
     # the signals blocked, too: a worker left at exit would hold its rank forever,
     # tests/test_exit.py).
     output.ends_within("stopped after step", EXIT_GRACE)
+    _, alive = psutil.wait_procs(below, timeout=EXIT_GRACE)
+    assert not alive, [" ".join(process.cmdline())[:120] for process in alive]
+    output.thread.join(10)
     text = output.text
+    if launcher == "deepspeed":  # launch.py reports the ranks' status to a runner that is gone
+        assert "exits with return code = 75" in text, text
     # launchers: their own code
     assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text
     assert "Traceback" not in text.split("stopped after step")[0], text
