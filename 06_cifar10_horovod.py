@@ -106,6 +106,7 @@ def build_loaders(args, train_set, test_set):
     # in as many batches on every rank.
     batches = data.eval_batches(len(test_set), hvd.rank(), hvd.size())
     test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
+                             persistent_workers=args.workers > 0,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
@@ -242,8 +243,7 @@ def resume(args, model, optimizer, scheduler, scaler):
 def main(argv=None):
     args = parse_args(argv)
     device, amp_dtype, rank, world_size = setup(args)
-    # SIGTERM or SIGUSR1: finish the optimizer step, save, exit with status 75.
-    # Horovod: every rank stops after the same step (stop_agreement).
+    # Horovod: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75.
     stop = preempt.Stop(args.stop_after, agree=stop_agreement)
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)

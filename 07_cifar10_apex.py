@@ -161,6 +161,7 @@ def build_loaders(args, train_set, test_set):
     # DDP: evaluation shards the test set without padding, in as many batches on every rank.
     batches = data.eval_batches(len(test_set), dist.get_rank(), dist.get_world_size())
     test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
+                             persistent_workers=args.workers > 0,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
@@ -354,8 +355,7 @@ def main(argv=None):
         be_a_group_of_one()
     # Apex: setup chooses the stack; every function that differs on its path gets it.
     device, amp_dtype, rank, world_size, legacy_apex = setup(args)
-    # SIGTERM or SIGUSR1: finish the optimizer step, save, exit with status 75.
-    # DDP: every rank stops after the same step (stop_agreement).
+    # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
     group = dist.new_group(backend="gloo")  # collective
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
     train_set, test_set, info = build_data(args)
