@@ -4,7 +4,8 @@ imported here, and no collective is made here: each method's own calls, and ever
 ranks meet, are in its script."""
 import gc
 
-from . import _torchvision  # noqa: F401  (torchvision imports after this, also with a CPU-only torch)
+# torchvision imports after this, also with a CPU-only torch.
+from . import _torchvision  # noqa: F401
 
 # torch and torchvision leave ~300,000 objects that live as long as the process. Frozen, they are no
 # longer walked by each full collection nor by the one at shutdown: about 0.7 s of CPU less per
