@@ -161,7 +161,7 @@ SLOW_TESTS = {
 WEIGHT = {"test_preemption": 150, "test_learning_curves": 130, "test_05_deepspeed": 125,
           "test_debugging": 106, "test_default_model": 96, "test_bad_input": 81, "test_slurm": 75,
           "test_steps_01_04": 66, "test_07_apex": 59, "test_exit": 54, "test_fault_tolerance": 53,
-          "test_08_fsdp": 51, "test_template": 35, "test_benchmark": 41, "test_gpu_check": 33,
+          "test_08_fsdp": 51, "test_template": 80, "test_benchmark": 41, "test_gpu_check": 33,
           "test_06_horovod": 28, "test_data": 8, "test_readme": 8, "test_checkpoint": 8,
           "test_gpu_paths": 2, "test_style": 1, "test_steps_in_line": 1, "test_profile": 1,
           "test_distributed_sampler": 1}

@@ -63,7 +63,8 @@ TESTS = {
         f"{GPU_PATHS}08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu",
         f"{GPU_PATHS}08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step",
         f"{GPU_PATHS}08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward",
-        "tests/test_data.py::test_every_distributed_step_evaluates_in_eval_batches"],
+        "tests/test_data.py::test_every_distributed_step_evaluates_in_eval_batches",
+        "tests/test_template.py::test_a_copy_stopped_and_resumed_ends_where_04s_copy_does[08-fsdp]"],
 }
 
 MUTANTS = [
@@ -152,6 +153,8 @@ MUTANTS = [
            'state=pickle.loads(state["position"]), scheduler=scheduler,'),
     Mutant(8, "evaluation without the all-reduce",
            r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
+    Mutant(8, "each rank shards its own initial weights (no broadcast from rank 0)",
+           r"^(\s+)dist\.broadcast\(tensor, 0\)", r"\1pass"),
 ]
 
 

@@ -4,21 +4,22 @@ replaced by a user's own. The user's data: a torch Dataset class of their own, 1
 float images in [0, 1], 7 classes, 982 training images (491 per rank: the last optimizer step of
 an epoch is short, a single pass of 11 images) and 257 test images. The user's model: a small
 ConvNet whose blocks (convolution, batch norm, ReLU, pooling) sit in an nn.ModuleList, and a linear
-head. Nothing else of a copy changes, and the copies of 04 (torchrun), 05 (the deepspeed launcher)
-and 08 (torchrun), on 2 processes each:
+head; their build_model draws each rank's initial weights from a seed of its own, so a step that
+does not start every rank from rank 0's weights trains replicas (or slices) of different models.
+Nothing else of a copy changes, and the copies of 04 (torchrun), 05 (the deepspeed launcher) and 08
+(torchrun), on 2 processes each:
 
 * learn (test accuracy far above chance after 2 epochs), train every image once per epoch
   (metrics.jsonl's "images") and end with the same weights on every rank;
 * label their outputs with their own file name and --arch;
-* 08's copy in fp32 (NCHW), stopped after epoch 1 (whose last optimizer step is the short one)
-  and resumed, ends bit for bit where one uninterrupted run of 04's copy ends, with the same
-  losses: the resume is exact and the two methods agree on the user's model (08 finds its FSDP
-  units inside the ModuleList);
+* in fp32 (NCHW; 05 in ZeRO stage 1), stopped after epoch 1 (whose last optimizer step is the short
+  one) and resumed, each ends bit for bit where one uninterrupted run of 04's copy ends, with the
+  same losses: the resumes are exact, and the three methods agree on the user's model (08 finds
+  its FSDP units inside the ModuleList and starts from rank 0's weights);
 * 05's copy trains in --amp auto as the README runs it (bf16 on a CPU that computes it): the
-  user's float batches go in the engine's precision. (05's stop and resume are held to 04's bits
-  in fp32 on the small cnn with batch norm: tests/test_preemption.py.)
+  user's float batches go in the engine's precision.
 
-Four launches in all. torchvision's constructors fit ARCHS as they are (checked in this process).
+Eight launches in all. torchvision's constructors fit ARCHS as they are (checked in this process).
 """
 import re
 import runpy
@@ -74,6 +75,7 @@ ARCHS = {"convnet": ConvNet, "resnet18": torchvision.models.resnet18}
 
 
 def build_model(args, info):
+    torch.manual_seed(args.seed + int(os.environ.get("RANK", "0")))
     return ARCHS[args.arch](num_classes=info.num_classes)
 '''
 # Import torchvision after common, as the README says.
@@ -86,6 +88,7 @@ STEPS = 16
 SMALL = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--workers", "0"]
 # fp32, NCHW; 05 in ZeRO stage 1, which adds up accumulated gradients as DDP does: 04's bits.
 EXACT = [*SMALL, "--amp", "off", "--no-channels-last"]
+EXACT_FLAGS = {4: EXACT, 5: [*EXACT, "--zero-stage", "1"], 8: EXACT}
 
 
 def test_the_readme_says_to_copy_the_step_and_common():
@@ -198,7 +201,7 @@ def assert_learned_every_image(out, name, output):
 
 @pytest.fixture(scope="module")
 def reference(jobs, user_data, tmp_path_factory):
-    """04's copy, uninterrupted, in fp32: where the stopped and resumed copies of 05 and 08 end."""
+    """04's copy, uninterrupted, in fp32: where the stopped and resumed copies end."""
     out = tmp_path_factory.mktemp("reference04")
     return out, launch(4, jobs, user_data, out, *EXACT).output
 
@@ -225,10 +228,10 @@ def test_a_copy_of_04_learns_the_users_data_from_every_image(reference):
     assert_learned_every_image(out, "my_ddp", output)
 
 
-@pytest.mark.parametrize("number", [8], ids=["08-fsdp"])
+@pytest.mark.parametrize("number", [4, 5, 8], ids=["04-ddp", "05-deepspeed", "08-fsdp"])
 def test_a_copy_stopped_and_resumed_ends_where_04s_copy_does(number, jobs, user_data, reference,
                                                              tmp_path):
-    name, flags = JOBS[number][0], EXACT
+    name, flags = JOBS[number][0], EXACT_FLAGS[number]
     first = launch(number, jobs, user_data, tmp_path, *flags, "--stop-after", "1")
     resumed = launch(number, jobs, user_data, tmp_path, *flags, "--resume", "auto")
     assert f"resumed from epoch 1 (written by {name})" in resumed.output, resumed.output
