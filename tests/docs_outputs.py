@@ -1,7 +1,7 @@
 """Run again the commands whose output the docs show, and write what they print into the pages.
 
-    .venv/bin/python scripts/docs_outputs.py          # every block of every page (about 5 minutes)
-    .venv/bin/python scripts/docs_outputs.py 04 05    # the blocks named output:04 and output:05
+    .venv/bin/python tests/docs_outputs.py          # every block of every page (about 5 minutes)
+    .venv/bin/python tests/docs_outputs.py 04 05    # the blocks named output:04 and output:05
 
 A page marks each sample with <!-- output:NAME --> ... <!-- /output:NAME -->. Inside, every ```bash
 fence is a run: its commands run in a shell from the repository root (the last one is the run shown;
