@@ -22,13 +22,11 @@ STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     device = torch.device("cpu")
     # --resume continues a run with its settings (those not typed again).
@@ -37,7 +35,6 @@ def setup(args):
     return device, amp_dtype(args.amp, device)
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     data.download(args.data_dir)
@@ -51,11 +48,11 @@ def build_loaders(args, train_set, test_set):
     sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0)
-    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers)
+    test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers,
+                             persistent_workers=args.workers > 0)
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -69,7 +66,6 @@ def prepare_model(args, model, device):
     return model.to(device, memory_format=memory_format)
 
 
-# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
@@ -79,7 +75,6 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-# ------------------------------------------------------------ train one epoch
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
@@ -108,7 +103,6 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     return meter.row(totals)
 
 
-# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
@@ -125,7 +119,6 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ------------------------------------------------------------ checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
                            global_step=global_step, model_state=model.state_dict(),
@@ -138,7 +131,6 @@ def resume(args, model, optimizer, scheduler, scaler):
                              scaler=scaler)
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)

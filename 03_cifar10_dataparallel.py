@@ -23,13 +23,11 @@ STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
     device = torch.accelerator.current_accelerator(check_available=True)
@@ -44,7 +42,6 @@ def setup(args):
     return device, amp_dtype(args.amp, device)
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     data.download(args.data_dir)
@@ -61,11 +58,11 @@ def build_loaders(args, train_set, test_set):
                               num_workers=args.workers, persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())
     test_loader = DataLoader(test_set, batch_size=512, num_workers=args.workers,
+                             persistent_workers=args.workers > 0,
                              pin_memory=torch.accelerator.is_available())
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -84,7 +81,6 @@ def prepare_model(args, model, device):
     return nn.DataParallel(model)
 
 
-# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
@@ -94,7 +90,6 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-# ------------------------------------------------------------ train one epoch
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
@@ -125,7 +120,6 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     return meter.row(totals)
 
 
-# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
@@ -144,7 +138,6 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ------------------------------------------------------------ checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
     # DataParallel: save the model inside the wrapper (no `module.` prefix), as later steps do.
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
@@ -158,7 +151,6 @@ def resume(args, model, optimizer, scheduler, scaler):
                              scaler=scaler)
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)

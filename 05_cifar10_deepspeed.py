@@ -33,7 +33,6 @@ WARMUP_EPOCHS = 1
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     # DeepSpeed: its launcher passes --local_rank=N too, as torch.distributed.launch does: its GPU.
@@ -51,7 +50,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     # DDP: the launcher tells each process its rank and how many there are.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -93,7 +91,6 @@ def stop_agreement(group):
     return agree
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     # DDP: one process per machine downloads; the others wait for it at the barrier.
@@ -120,7 +117,6 @@ def build_loaders(args, train_set, test_set):
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -135,7 +131,6 @@ def prepare_model(args, model, device):
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model
 
 
-# ------------------------------------------------------------ optimizer and schedule
 # DeepSpeed: returns the engine: model, SGD, our schedule from step start_step and precision in one.
 def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):
     config = json.loads(Path(args.deepspeed_config).read_text())
@@ -169,7 +164,6 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):
     return engine
 
 
-# ------------------------------------------------------------ train one epoch
 # DeepSpeed: the engine in place of model, optimizer, scheduler and scaler; it casts (no autocast).
 def train_one_epoch(args, engine, loader, device, stop, meter):
     engine.train()
@@ -204,7 +198,6 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
     return meter.row(totals, timing)
 
 
-# ------------------------------------------------------------ evaluate
 # DeepSpeed: the engine in place of the model, in its precision (no autocast).
 @torch.no_grad()
 def evaluate(args, engine, loader, device):
@@ -237,7 +230,6 @@ def engine_dtype(engine):
     return torch.float32
 
 
-# ------------------------------------------------------------ checkpoint
 # DeepSpeed: every rank's copy of the whole weights in fp32 (ZeRO 1-3 gathers them), and buffers.
 def full_weights(engine):
     optimizer = engine.optimizer
@@ -287,7 +279,6 @@ def resume(args, engine, found, rank):
     return checkpoint.resume(args, state=client, verbose=rank == 0, says=says)
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)

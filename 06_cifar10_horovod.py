@@ -36,7 +36,6 @@ STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     # Horovod: --sync-bn swaps in its SyncBatchNorm; --fp16-allreduce compresses what it sends.
@@ -47,7 +46,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     # Horovod: join horovodrun's processes (plain python: a group of one); rank, size, local rank.
     hvd.init()  # collective
@@ -82,7 +80,6 @@ def stop_agreement(flag):
     return functools.partial(hvd.synchronize, handle)
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     # Horovod: one process per machine downloads; the others wait for it at Horovod's barrier.
@@ -111,7 +108,6 @@ def build_loaders(args, train_set, test_set):
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -135,7 +131,6 @@ def prepare_model(args, model, device):
     return model
 
 
-# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
@@ -150,7 +145,6 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-# ------------------------------------------------------------ train one epoch
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
@@ -189,7 +183,6 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     return meter.row(totals, timing)
 
 
-# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
@@ -210,7 +203,6 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ------------------------------------------------------------ checkpoint
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
     # Horovod: no wrapper: the model's own state, as every step saves it.
     return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
@@ -238,7 +230,6 @@ def resume(args, model, optimizer, scheduler, scaler):
     return epoch, global_step, part_done
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)

@@ -47,7 +47,6 @@ MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 FIXED_SCALE = ("O0", "O3")
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK): its GPU.
@@ -69,7 +68,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     # DDP: the launcher tells each process its rank and how many there are.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -139,7 +137,6 @@ def stop_agreement(group):
     return agree
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     # DDP: one process per machine downloads; the others wait for it at the barrier.
@@ -166,7 +163,6 @@ def build_loaders(args, train_set, test_set):
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -194,7 +190,6 @@ def prepare_model(args, model, device, legacy_apex):
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)  # collective
 
 
-# ------------------------------------------------------------ optimizer and schedule
 # Apex: it returns the model too, which the legacy stack patches and wraps.
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, legacy_apex):
     # Apex: its FusedSGD where its CUDA extensions exist: the same update, in fused kernels.
@@ -218,7 +213,6 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, legacy_apex
     return model, optimizer, scheduler, scaler
 
 
-# ------------------------------------------------------------ train one epoch
 # Apex: `legacy_apex`: the legacy stack scales the loss, and its DDP leaves the buffers alone.
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter, legacy_apex):
@@ -272,7 +266,6 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     return meter.row(totals, timing)
 
 
-# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
@@ -293,7 +286,6 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ------------------------------------------------------------ checkpoint
 # Apex: O2 keeps fp16 weights in the model and trains fp32 copies, its "master weights", in the
 # optimizer: {name: the weight the optimizer trains}; {} off the legacy path.
 def master_weights(model, optimizer, legacy_apex):
@@ -344,7 +336,6 @@ def resume(args, model, optimizer, scheduler, scaler, legacy_apex):
                              scaler=load_scale, verbose=dist.get_rank() == 0)
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)

@@ -36,7 +36,6 @@ STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 
-# ------------------------------------------------------------ argument parsing
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
     # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK): its GPU.
@@ -49,7 +48,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-# ------------------------------------------------------------ process/device setup
 def setup(args):
     # DDP: the launcher tells each process its rank and how many there are.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -89,7 +87,6 @@ def stop_agreement(group):
     return agree
 
 
-# ------------------------------------------------------------ data
 def build_data(args):
     """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
     # DDP: one process per machine downloads; the others wait for it at the barrier.
@@ -116,7 +113,6 @@ def build_loaders(args, train_set, test_set):
     return train_loader, test_loader, sampler
 
 
-# ------------------------------------------------------------ model
 ARCHS = {"resnet18": models.resnet18, "cnn": models.cnn, "cnn_bn": models.cnn_bn}
 
 
@@ -162,7 +158,6 @@ def prepare_model(args, model, device, amp_dtype):
     return fully_shard(model, mesh=mesh, mp_policy=root_policy)
 
 
-# ------------------------------------------------------------ optimizer and schedule
 def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM,
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
@@ -173,7 +168,6 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-# ------------------------------------------------------------ train one epoch
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
@@ -211,7 +205,6 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     return meter.row(totals, timing)
 
 
-# ------------------------------------------------------------ evaluate
 @torch.no_grad()
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
@@ -232,7 +225,6 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# ------------------------------------------------------------ checkpoint
 # FSDP: whole tensors, gathered from the shards or split into them (GATHER: on rank 0's CPU).
 WHOLE = StateDictOptions(full_state_dict=True)
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -303,7 +295,6 @@ def dcp_folder(args):
     return folder if os.path.isdir(folder) else ""
 
 
-# ------------------------------------------------------------ main
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
