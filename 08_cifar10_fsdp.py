@@ -2,16 +2,17 @@
 
 What changes from step 04: instead of a DDP replica per process, fully_shard splits every weight,
 its gradient and its optimizer state across the processes (each layer or residual block a unit,
-gathered just before it runs), with a MixedPrecisionPolicy in place of autocast. Checkpoints: DCP
-shards from every rank, and the gathered checkpoint-epochNNNN.pt.
+gathered just before it runs), with a MixedPrecisionPolicy in place of autocast; --replicate N
+makes it HSDP (N replicas, each sharded). Checkpoints: DCP shards from every rank, written in the
+background, and the gathered checkpoint-epochNNNN.pt.
 
     torchrun --nproc_per_node=4 08_cifar10_fsdp.py
 """
 import datetime
 import gc
 import glob
+import json
 import os
-import pickle
 import shutil
 import sys
 
@@ -45,6 +46,9 @@ def parse_args(argv=None):
                         help="how long a rank waits for a missing one")
     parser.add_argument("--sync-bn", action="store_true",
                         help="batch norm over the global batch (CUDA, XPU)")
+    # FSDP: HSDP: N replicas, each sharded over processes/N (several machines: N = their number).
+    parser.add_argument("--replicate", type=int, default=1, metavar="N",
+                        help="HSDP: N replicas of processes/N shards (1: FSDP)")
     return parser.parse_args(argv)
 
 
@@ -141,8 +145,11 @@ def prepare_model(args, model, device, amp_dtype):
     # slice of its own initialisation, so a build_model that draws otherwise would diverge).
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, 0)  # collective
-    # FSDP: one mesh of all ranks; units gather and compute in amp_dtype, reduce in fp32.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # FSDP: the ranks as --replicate rows of shards: a unit gathers its weights and reduce-scatters
+    # its gradients within a row (a machine), and rows all-reduce their gradient shards (HSDP).
+    mesh = init_device_mesh(device.type, mesh_shape(args.replicate),
+                            mesh_dim_names=("replicate", "shard"))  # collective
+    # FSDP: units gather and compute in amp_dtype, reduce in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     # FSDP: batch norm, units of its own: fp32 weights beside fp32 statistics, as kernels take them.
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -230,35 +237,46 @@ WHOLE = StateDictOptions(full_state_dict=True)
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    # FSDP: EVERY rank writes its shards and the run's position into dcp/epochNNNN[-stepSSSSSS].tmp
-    # (DCP: an exact resume on any number of processes), renamed once every rank is done.
+def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info,
+                    saving):
+    # FSDP: EVERY rank stages its shards, the run's position (plain values) and its random state,
+    # then writes them into dcp/epochNNNN[-stepSSSSSS].tmp in the background (DCP: an exact resume
+    # on any mesh) while training goes on; on `saving`, a gloo group, as async_save needs.
     done = epoch - bool(row.get("partial"))
     final = os.path.join(args.out_dir, "dcp", f"epoch{done:04d}")
     if done < epoch:
         final += f"-step{row['steps']:06d}"
     model_state, optim_state = get_state_dict(model, optimizer)
     position = {"step": STEP, "epoch": done, "global_step": global_step, "metrics": row,
-                "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state()}}
-    state = {"model": model_state, "optim": optim_state, "position": pickle.dumps(position)}
-    dcp.save(state, checkpoint_id=final + ".tmp")  # collective
-    dist.barrier()  # collective
-    # FSDP: one writer renames it, and keeps the newest 3.
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(final + ".tmp", final)
-        for old in sorted(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")))[:-3]:
-            shutil.rmtree(old, ignore_errors=True)
+                "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict()}
+    state = {"model": model_state, "optim": optim_state, "position": json.dumps(position),
+             "rng": torch.get_rng_state()}
+    writing = dcp.async_save(state, checkpoint_id=final + ".tmp",
+                             process_group=saving)  # collective
     # FSDP: and the whole state, gathered on rank 0, as the checkpoint-epochNNNN.pt of 01-07.
     model_state = get_model_state_dict(model, options=GATHER)  # collective
     optim = get_optimizer_state_dict(model, optimizer, options=GATHER)  # collective
     if dist.get_rank() == 0:
         index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-        return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
-                               global_step=global_step, model_state=model_state,
-                               optimizer=rekeyed(optim, index), scheduler=scheduler,
-                               scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
+        checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
+                        global_step=global_step, model_state=model_state,
+                        optimizer=rekeyed(optim, index), scheduler=scheduler, scaler=scaler,
+                        args=args, metrics=row, synthetic=info.synthetic)
+    return writing, final
+
+
+# FSDP: wait for the save in flight; once rank 0's part is done, every rank's is (rank 0 writes
+# .metadata last): rank 0 renames it, the newest complete checkpoint, and keeps the newest 3.
+def finish_save(args, in_flight):
+    if in_flight is None:
+        return
+    writing, final = in_flight
+    writing.result()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + ".tmp", final)
+        for old in sorted(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")))[:-3]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resume(args, model, optimizer, scheduler, scaler):
@@ -269,13 +287,14 @@ def resume(args, model, optimizer, scheduler, scaler):
     folder = folder[0]
     if folder:
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state, "position": b""}
+        state = {"model": model_state, "optim": optim_state, "position": "",
+                 "rng": torch.get_rng_state()}
         dcp.load(state, checkpoint_id=folder)  # collective
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])  # collective
-        return checkpoint.resume(
-            args, state=pickle.loads(state["position"]), scheduler=scheduler, scaler=scaler,
-            verbose=dist.get_rank() == 0, says=", sharded")
+        position = {**json.loads(state["position"]), "rng": {"torch": state["rng"]}}
+        return checkpoint.resume(args, state=position, scheduler=scheduler, scaler=scaler,
+                                 verbose=dist.get_rank() == 0, says=", sharded")
 
     # FSDP: a checkpoint-epochNNNN.pt of any step: every rank reads it whole, keeps its shards.
     def load_model(whole):
@@ -305,6 +324,9 @@ def main(argv=None):
     # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
     group = dist.new_group(backend="gloo")  # collective
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
+    # FSDP: checkpoints are written in the background, on a gloo group of their own.
+    saving = dist.new_group(backend="gloo")  # collective
+    in_flight = None
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     # FSDP: the model's MixedPrecisionPolicy casts to amp_dtype.
@@ -332,14 +354,18 @@ def main(argv=None):
         global_step = scheduler.last_epoch
         if not row.get("partial"):
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
-        # FSDP: every rank saves its shards and helps gather the whole checkpoint for rank 0.
-        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
+        # FSDP: every rank saves its shards once the save before is done, and helps gather the whole
+        # checkpoint for rank 0.
+        finish_save(args, in_flight)
+        in_flight = save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler,
+                                    row, info, saving)
         log.epoch(row)
         dist.barrier()  # collective
         if stop.leave(epoch, start_epoch, args.epochs):  # collective
             break
 
-    # FSDP: every rank writes weights-rankN.sha256 of the whole model, gathered on every rank.
+    # FSDP: the last save finishes; every rank writes weights-rankN.sha256 of the whole model.
+    finish_save(args, in_flight)
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
     # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.
     del model, train_model
@@ -354,6 +380,13 @@ def be_a_group_of_one():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or "0"
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+# plumbing: the mesh's shape, (replicas, shards per replica), or one line if they do not divide.
+def mesh_shape(replicas):
+    if replicas < 1 or dist.get_world_size() % replicas:
+        sys.exit(f"--replicate {replicas} does not divide the {dist.get_world_size()} processes")
+    return replicas, dist.get_world_size() // replicas
 
 
 # plumbing: an optimizer state with its parameters keyed anew: key[old key] is the new one.

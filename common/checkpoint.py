@@ -29,7 +29,7 @@ ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the libraries' own checkpoints 
 # Settings of this invocation and this machine, never taken from a checkpoint's run.
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers",
                 "compile", "sync_bn", "fp16_allreduce", "dist_timeout", "deepspeed_config",
-                "profile"}
+                "replicate", "profile"}
 TAG = re.compile(r"epoch\d{4,}(?:-step\d{6,})?")  # one epoch's folder in ds_checkpoints/ or dcp/
 PATTERN = re.compile(r"checkpoint-epoch(\d{4,})(?:-step(\d{6,}))?\.pt$")
 

@@ -143,18 +143,22 @@ MUTANTS = [
     Mutant(8, "gradients reduced on every accumulated pass",
            r"set_requires_gradient_sync\(last_pass\)", "set_requires_gradient_sync(True)"),
     Mutant(8, "a DCP resume without the optimizer state (momentum, learning rate)",
-           r'(?s)state = \{"model": model_state, "optim": optim_state, "position": b""\}(.*?)'
+           r'(?s)state = \{"model": model_state, "optim": optim_state, "position": "",(.*?)'
            r'set_state_dict\(model, optimizer, model_state_dict=state\["model"\],\s+'
            r'optim_state_dict=state\["optim"\]\)',
-           r'state = {"model": model_state, "position": b""}'
+           r'state = {"model": model_state, "position": "",'
            r'\1set_model_state_dict(model, state["model"])'),
     Mutant(8, "a DCP resume without the loss scale",
-           r'state=pickle\.loads\(state\["position"\]\), scheduler=scheduler, scaler=scaler,',
-           'state=pickle.loads(state["position"]), scheduler=scheduler,'),
+           r"state=position, scheduler=scheduler, scaler=scaler,",
+           "state=position, scheduler=scheduler,"),
     Mutant(8, "evaluation without the all-reduce",
            r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
     Mutant(8, "each rank shards its own initial weights (no broadcast from rank 0)",
            r"^(\s+)dist\.broadcast\(tensor, 0\)", r"\1pass"),
+    Mutant(8, "--replicate ignored: one row of all ranks", r"mesh_shape\(args\.replicate\)",
+           "mesh_shape(1)"),
+    Mutant(8, "the last save never finished (its folder stays .tmp)",
+           r"^\s+finish_save\(args, in_flight\)\n(\s+log\.finish)", r"\1"),
 ]
 
 

@@ -1,14 +1,20 @@
 """Step 08 (FSDP2 + DCP) under torchrun on the CPU: it learns, every rank holds other shards of one
-model, a sharded checkpoint resumes on another number of processes, and checkpoints move both ways
-between 08 and 04 (held to the tolerance of the other cross-method tests). Its sharded resume on the
-same 2 processes ends bit for bit where 04 does, with ResNet-18's batch-norm statistics:
-tests/test_default_model.py."""
+model, HSDP (2 replicas of 2 shards) learns the same curve with equal replicas, a sharded checkpoint
+resumes on other meshes both ways, and checkpoints move both ways between 08 and 04 (held to the
+tolerance of the other cross-method tests). Its sharded resume on the same 2 processes ends bit for
+bit where 04 does, with ResNet-18's batch-norm statistics: tests/test_default_model.py."""
 import shutil
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_step01_evaluates_as_logged,
-                     assert_trained, checkpoint_epoch, metrics, run, script, torchrun)
+from common.checkpoint import weights_digest
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_one_line_error,
+                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
+                     load_checkpoint, metrics, run, script, torchrun)
+
+# run08's recipe on 4 processes: global batch 64 in fp32
+HSDP_ARGS = ["--batch-size", "16", "--amp", "off"]
 
 
 def epoch_close(a, b):
@@ -28,27 +34,68 @@ def test_learns_with_each_rank_holding_its_own_shards(run08):
     assert not list((out / "dcp").glob("*.tmp")), "a finished save leaves no temporary folder"
 
 
-def test_sharded_checkpoint_resumes_on_one_process_and_back_on_two(run08, data, tmp_path):
-    """2 -> 1: DCP reshards the 2-process checkpoint for one process (global batch kept: 1 x 64),
-    which trains epoch 2 as the 2-process run did. 1 -> 2: that run's checkpoint continues on 2
-    processes. The first --resume auto also passes over the dcp/epoch0002.tmp that a save killed
-    part-way leaves (it is renamed only once every rank has written, and rank 0 writes .metadata
-    last), and its own save replaces it."""
-    one = as_after_epoch(run08[0], tmp_path / "one", 1, rows=False)
-    unfinished = one / "dcp" / "epoch0002.tmp"
-    shutil.copytree(one / "dcp" / "epoch0001", unfinished)
+@pytest.fixture(scope="module")
+def hsdp(data, tmp_path_factory):
+    """08 on 4 processes as 2 replicas of 2 shards each (HSDP, --replicate 2): run08's recipe (fp32,
+    global batch 64: 4 x 16), its checkpoints written in the background."""
+    out = tmp_path_factory.mktemp("hsdp")
+    torchrun(4, 8, *data, *EPOCHS, *HSDP_ARGS, "--replicate", "2", "--out-dir", out)
+    return out
+
+
+def shards_per_weight(folder):
+    """{weight: the pieces a DCP checkpoint stores it in} (its .metadata, written by our run)."""
+    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {name: len(metadata[name].chunks) for name in metadata
+            if name.startswith("model.") and name.endswith(".weight")}
+
+
+def test_hsdp_learns_run08s_curve_with_equal_replicas(hsdp, run08):
+    assert_trained(hsdp, epochs=2, ranks=4)  # every rank's whole state, bit for bit
+    # 2 shards per weight, each held by both replicas (1 x 4 would store 4, 4 x 1 one)
+    assert set(shards_per_weight(hsdp / "dcp" / "epoch0002").values()) == {2}
+    for fsdp, replicated in zip(metrics(run08[0]), metrics(hsdp), strict=True):
+        epoch_close(fsdp, replicated)
+    assert not list((hsdp / "dcp").glob("*.tmp")), "a finished save leaves no temporary folder"
+
+
+def resumed_state(source, epoch, out, processes, replicate, data):
+    """Resume `source`'s epoch on `processes` as `replicate` replicas, with nothing left to train
+    (--epochs EPOCH): every rank's weights-rankN.sha256 is then the state DCP loaded, resharded.
+    Returns (those digests, the digest of the whole state the source gathered at that epoch)."""
+    out = as_after_epoch(source, out, epoch, rows=False)
+    proc = torchrun(processes, 8, *data, "--epochs", str(epoch), "--batch-size",
+                    str(64 // processes), "--amp", "off", "--replicate", str(replicate),
+                    "--out-dir", out, "--resume", "auto")
+    assert f"resumed from epoch {epoch} (written by 08_cifar10_fsdp), sharded" in proc.output
+    saved = load_checkpoint(checkpoint_epoch(source, epoch))["model"]
+    return set(digests(out).values()), weights_digest(saved)
+
+
+@pytest.mark.parametrize("processes,replicate", [(4, 1), (4, 4), (2, 1)],
+                         ids=["1x4", "4x1", "1x2"])
+def test_a_2x2_checkpoint_resumes_bit_for_bit_on_other_meshes(hsdp, data, tmp_path, processes,
+                                                              replicate):
+    """DCP reshards 2 x 2's epoch 1 to 1 x 4 (FSDP), 4 x 1 (replicas only) and 1 x 2: every rank
+    holds exactly the weights and buffers saved. (Training on goes on in another summation order:
+    the same curve, other bits.) --resume auto passes over the dcp/epoch0002.tmp that a save killed
+    part-way leaves (renamed only once every rank has written; rank 0 writes .metadata last)."""
+    unfinished = tmp_path / "dcp" / "epoch0002.tmp"
+    shutil.copytree(hsdp / "dcp" / "epoch0001", unfinished)
     (unfinished / ".metadata").unlink()
-    proc = run([PYTHON, script(8), *data, "--epochs", "2", "--batch-size", "64", "--amp", "off",
-                "--out-dir", one, "--resume", "auto"])
-    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output
-    epoch_close(metrics(run08[0])[1], metrics(one)[-1])
-    assert sorted(path.name for path in (one / "dcp").iterdir()) == ["epoch0001", "epoch0002"]
-    proc = torchrun(2, 8, *data, "--epochs", "3", *DDP_ARGS, "--out-dir", one, "--resume", "auto")
-    assert "resumed from epoch 2 (written by 08_cifar10_fsdp), sharded" in proc.output
-    # epoch 1's row came from its checkpoint (no metrics.jsonl was left: it agrees with the
-    # checkpoints)
-    assert ([row["epoch"] for row in metrics(one)] == [1, 2, 3]
-            and metrics(one)[-1]["test_acc"] >= 0.5)
+    loaded, saved = resumed_state(hsdp, 1, tmp_path, processes, replicate, data)
+    assert loaded == {saved}
+
+
+def test_a_1x2_checkpoint_resumes_bit_for_bit_on_2x2(run08, data, tmp_path):
+    """The other way: run08's epoch 1 (FSDP on 2 processes) on 2 replicas of 2 shards."""
+    loaded, saved = resumed_state(run08[0], 1, tmp_path, 4, 2, data)
+    assert loaded == {saved}
+
+
+def test_replicas_that_do_not_divide_the_processes_are_one_line(data, tmp_path):
+    proc = run([PYTHON, script(8), *data, "--replicate", "2", "--out-dir", tmp_path], check=False)
+    assert_one_line_error(proc, "--replicate 2 does not divide the 1 processes")
 
 
 def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_path):
