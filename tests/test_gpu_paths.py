@@ -254,7 +254,10 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
     whole = lambda: {k: v.clone()  # noqa: E731
                      for k, v in step["get_model_state_dict"](model, options=step["WHOLE"]).items()}
     assert_scaler_skips_an_overflow_then_steps(train, scaler, whole)
-    step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2}, INFO)
+    saving = torch.distributed.new_group(backend="gloo")
+    in_flight = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler,
+                                        {"epoch": 2}, INFO, saving)
+    step["finish_save"](args, in_flight)
     model2, optimizer2, scheduler2, scaler2 = build()
     args.resume = "auto"  # the DCP folder it just wrote
     assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
