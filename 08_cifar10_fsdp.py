@@ -49,7 +49,11 @@ def parse_args(argv=None):
     # FSDP: HSDP: N replicas, each sharded over processes/N (several machines: N = their number).
     parser.add_argument("--replicate", type=int, default=1, metavar="N",
                         help="HSDP: N replicas of processes/N shards (1: FSDP)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # plumbing: N must divide the processes (the launcher's WORLD_SIZE): one line, exit 2.
+    if args.replicate < 1 or int(os.environ.get("WORLD_SIZE", 1)) % args.replicate:
+        parser.error(f"--replicate {args.replicate} does not divide the number of processes")
+    return args
 
 
 def setup(args):
@@ -147,8 +151,8 @@ def prepare_model(args, model, device, amp_dtype):
         dist.broadcast(tensor, 0)  # collective
     # FSDP: the ranks as --replicate rows of shards: a unit gathers its weights and reduce-scatters
     # its gradients within a row (a machine), and rows all-reduce their gradient shards (HSDP).
-    mesh = init_device_mesh(device.type, mesh_shape(args.replicate),
-                            mesh_dim_names=("replicate", "shard"))  # collective
+    shape = (args.replicate, dist.get_world_size() // args.replicate)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))  # collective
     # FSDP: units gather and compute in amp_dtype, reduce in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     # FSDP: batch norm, units of its own: fp32 weights beside fp32 statistics, as kernels take them.
@@ -380,13 +384,6 @@ def be_a_group_of_one():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or "0"
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-
-
-# plumbing: the mesh's shape, (replicas, shards per replica), or one line if they do not divide.
-def mesh_shape(replicas):
-    if replicas < 1 or dist.get_world_size() % replicas:
-        sys.exit(f"--replicate {replicas} does not divide the {dist.get_world_size()} processes")
-    return replicas, dist.get_world_size() // replicas
 
 
 # plumbing: an optimizer state with its parameters keyed anew: key[old key] is the new one.

@@ -64,7 +64,8 @@ TESTS = {
         f"{GPU_PATHS}08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step",
         f"{GPU_PATHS}08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward",
         "tests/test_data.py::test_every_distributed_step_evaluates_in_eval_batches",
-        "tests/test_template.py::test_a_copy_stopped_and_resumed_ends_where_04s_copy_does[08-fsdp]"],
+        "tests/test_template.py::test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does"
+        "[08-fsdp]"],
 }
 
 MUTANTS = [
@@ -155,8 +156,9 @@ MUTANTS = [
            r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
     Mutant(8, "each rank shards its own initial weights (no broadcast from rank 0)",
            r"^(\s+)dist\.broadcast\(tensor, 0\)", r"\1pass"),
-    Mutant(8, "--replicate ignored: one row of all ranks", r"mesh_shape\(args\.replicate\)",
-           "mesh_shape(1)"),
+    Mutant(8, "--replicate ignored: one row of all ranks",
+           r"shape = \(args\.replicate, dist\.get_world_size\(\) // args\.replicate\)",
+           "shape = (1, dist.get_world_size())"),
     Mutant(8, "the last save never finished (its folder stays .tmp)",
            r"^\s+finish_save\(args, in_flight\)\n(\s+log\.finish)", r"\1"),
 ]

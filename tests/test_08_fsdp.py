@@ -9,9 +9,9 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.checkpoint import weights_digest
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch, assert_one_line_error,
-                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
-                     load_checkpoint, metrics, run, script, torchrun)
+from helpers import (DDP_ARGS, EPOCHS, as_after_epoch, assert_step01_evaluates_as_logged,
+                     assert_trained, checkpoint_epoch, digests, load_checkpoint, metrics,
+                     torchrun)
 
 # run08's recipe on 4 processes: global batch 64 in fp32
 HSDP_ARGS = ["--batch-size", "16", "--amp", "off"]
@@ -91,11 +91,6 @@ def test_a_1x2_checkpoint_resumes_bit_for_bit_on_2x2(run08, data, tmp_path):
     """The other way: run08's epoch 1 (FSDP on 2 processes) on 2 replicas of 2 shards."""
     loaded, saved = resumed_state(run08[0], 1, tmp_path, 4, 2, data)
     assert loaded == {saved}
-
-
-def test_replicas_that_do_not_divide_the_processes_are_one_line(data, tmp_path):
-    proc = run([PYTHON, script(8), *data, "--replicate", "2", "--out-dir", tmp_path], check=False)
-    assert_one_line_error(proc, "--replicate 2 does not divide the 1 processes")
 
 
 def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_path):

@@ -42,6 +42,20 @@ def test_argument_errors(name, argv, complaint, capsys):
     assert complaint in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,world,complaint", [
+    (["--replicate", "0"], "4", "--replicate 0 does not divide the number of processes"),
+    (["--replicate", "3"], "4", "--replicate 3 does not divide the number of processes"),
+    (["--replicate", "2"], None, "--replicate 2 does not divide the number of processes"),
+], ids=["zero", "3-of-4", "2-of-1"])
+def test_replicas_must_divide_the_processes(argv, world, complaint, capsys, monkeypatch):
+    """08's --replicate, against the launcher's WORLD_SIZE (none: 1 process)."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    test_argument_errors("08_cifar10_fsdp.py", argv, complaint, capsys)
+
+
 def bad_cases(tmp_path, cifar_dir):
     damaged = tmp_path / "damaged"
     shutil.copytree(cifar_dir, damaged)
