@@ -158,13 +158,13 @@ SLOW_TESTS = {
 # one in this order as soon as it is near the end of its queue: heaviest first, so that the run does
 # not end with one worker running a slow file alone while the other idles. A file missing here would
 # come last.
-WEIGHT = {"test_preemption": 150, "test_learning_curves": 130, "test_05_deepspeed": 125,
-          "test_debugging": 106, "test_default_model": 96, "test_bad_input": 81, "test_slurm": 75,
-          "test_steps_01_04": 66, "test_07_apex": 59, "test_exit": 54, "test_fault_tolerance": 53,
-          "test_08_fsdp": 51, "test_template": 80, "test_benchmark": 41, "test_gpu_check": 33,
-          "test_06_horovod": 28, "test_data": 8, "test_readme": 8, "test_checkpoint": 8,
-          "test_gpu_paths": 2, "test_style": 1, "test_steps_in_line": 1, "test_profile": 1,
-          "test_distributed_sampler": 1}
+WEIGHT = {"test_preemption": 142, "test_learning_curves": 120, "test_debugging": 98,
+          "test_05_deepspeed": 85, "test_08_fsdp": 85, "test_bad_input": 85,
+          "test_default_model": 81, "test_slurm": 75, "test_template": 71, "test_steps_01_04": 57,
+          "test_fault_tolerance": 47, "test_07_apex": 47, "test_benchmark": 46, "test_exit": 41,
+          "test_gpu_check": 31, "test_06_horovod": 29, "test_checkpoint": 10, "test_data": 8,
+          "test_readme": 8, "test_gpu_paths": 3, "test_style": 1, "test_steps_in_line": 1,
+          "test_profile": 1, "test_distributed_sampler": 1}
 
 
 def pytest_collection_modifyitems(items):
