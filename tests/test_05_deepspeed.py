@@ -58,10 +58,6 @@ def deepspeed(nproc, *args, quiet=True, **kw):
     return run(["env", "-u", "DS_ACCELERATOR", *command], **kw)
 
 
-def losses(out_dir):
-    return [(r["epoch"], r["train_loss"], r["test_loss"], r["test_acc"]) for r in metrics(out_dir)]
-
-
 @pytest.fixture(scope="module")
 def run05(small_data, tmp_path_factory):
     return once(tmp_path_factory, "run05",
