@@ -33,7 +33,9 @@ import signal
 import subprocess
 import sys
 import time
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata, util
 from pathlib import Path
 
@@ -89,6 +91,8 @@ PATHS = [
     ("07 --amp-backend apex --sync-bn", 7, None, ["--amp-backend", "apex", "--sync-bn"], 2),
     ("08 --amp fp16", 8, None, ["--amp", "fp16"], 1),  # ShardedGradScaler
     ("08 --sync-bn", 8, None, ["--sync-bn"], 2),
+    # HSDP: a 2-D mesh, 2 replicas of N/2 shards
+    ("08 --replicate 2", 8, None, ["--replicate", "2"], 4),
 ]
 # Paths whose checkpoints hold what a default run's do not (a loss scale: fp16 and apex.amp; O2's
 # fp32 master weights): the resume check after their run too.
@@ -201,7 +205,8 @@ def resume_check(run, c):
     # makes them exact.
     base, env = c.work / "runs" / run.slug, {
         **c.env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "HOROVOD_FUSION_THRESHOLD": "0",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{c.work / 'deterministic'}"}
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(c.work / "deterministic"),
+                                                    os.environ.get("PYTHONPATH")]))}
     digests = lambda out: {p.name: p.read_text() for p in (base / out).glob("weights-rank*.sha256")}  # noqa: E731
 
     def go(out, *more):
@@ -263,6 +268,23 @@ def compute_rate(flags, data, device):
     return max(rates[1:])  # the first pays cuDNN's algorithm search and the allocator
 
 
+def loader_rates(flags, data):
+    """{workers: images/s} of step 02's training DataLoader alone (its transforms in its workers,
+    into pinned memory on a GPU) for --workers 2, 4, 8, 16 (as many as there are cores): one epoch,
+    from its second batch on (the workers have started)."""
+    step = runpy.run_path(str(next(REPO.glob("02_cifar10_*.py"))), run_name="gpu_check_step02")
+    rates = {}
+    for workers in [w for w in (2, 4, 8, 16) if w <= (os.cpu_count() or 1)] or [2]:
+        args = step["parse_args"](["--data-dir", str(data), *flags, "--workers", str(workers)])
+        train_set, test_set, _ = step["build_data"](args)
+        batches = iter(step["build_loaders"](args, train_set, test_set)[0])
+        next(batches)
+        start, images = time.perf_counter(), sum(len(x) for x, _ in batches)
+        rates[workers] = images / (time.perf_counter() - start)
+        del batches  # its workers stop
+    return rates
+
+
 def run_problem(run, status, output, rows, epochs, digests):
     """(outcome, why) of a run that did not end as it must, else None: its exit status and epochs
     and, for a path, equal weights on every rank, finite losses, and 02's emulated bf16 said so."""
@@ -284,10 +306,11 @@ def run_problem(run, status, output, rows, epochs, digests):
 
 
 def check(run, c):
-    """The row of one run: the timed run, its measurements; a path's run (2 epochs on the small
-    data: a few steps on many GPUs, so no accuracy is asked) must log finite losses and end with
-    equal weights on every rank. Then, where run.resume (the default runs, 02 --amp fp16,
-    RESUMED_PATHS), the resume check."""
+    """(the row of one run, whether its resume check is still due): the timed run, its
+    measurements (main runs the resume checks of the timed runs after all of them, beside the
+    paths); a path's run (2 epochs on the small data: a few steps on many GPUs, so no accuracy is
+    asked) must log finite losses and end with equal weights on every rank, then, where run.resume
+    (RESUMED_PATHS), the resume check."""
     from common import metrics
 
     base, out, epochs = (c.work / "runs" / run.slug, "run" if run.path else "timed",
@@ -296,7 +319,7 @@ def check(run, c):
            "resume": None}
     if row["why"]:
         say(f"== {run.label}: skipped: {row['why']}")
-        return row
+        return row, False
     shutil.rmtree(base, ignore_errors=True)
     cmd = command(run, c.small if run.path else c.data, base / out, epochs, c.flags)
     say(f"== {run.label}: {shown(cmd)}")
@@ -308,7 +331,7 @@ def check(run, c):
         row.update(outcome=bad[0] if bad else "ok", why=bad[1] if bad else None,
                    test_acc=rows[-1]["test_acc"] if rows else None,
                    resume=None if bad or not run.resume else resume_check(run, c))
-        return row
+        return row, False
     timed = rows[1:] or rows  # epoch 1 pays the start: workers, cuDNN's algorithm search
     amp = re.search(r"\bamp (\w+(?: \([^)]*\))?), .*steps/epoch", output)
     row.update(outcome="ok", why=None, precision=amp and amp[1], test_acc=rows[-1]["test_acc"],
@@ -324,9 +347,7 @@ def check(run, c):
             row["loop_vs_compute"] = row["images_per_sec"] / row["compute_images_per_sec"]
         except Exception as error:  # a failure the report shows, like a run's
             row.update(outcome="failed", why=f"pure compute rate: {type(error).__name__}: {error}")
-    if run.resume:
-        row["resume"] = resume_check(run, c)
-    return row
+    return row, run.resume
 
 
 def failures(rows):
@@ -351,6 +372,42 @@ def table(rows):
                    for key, spec in formats.items()), r["resume"]]
         lines.append("| " + " | ".join((cell or "").replace("|", "/") for cell in cells) + " |")
     return lines
+
+
+def report(rows, planned, c):
+    """Write results.json and the page's Results (the rehearsal's copy in the work dir) from the
+    rows so far, `planned` in all; return the results."""
+    rows = [dict(r) for r in rows]  # failures() marks a row failed by its resume: copies
+    failed = failures(rows)
+    counts = {outcome: sum(r["outcome"] == outcome for r in rows)
+              for outcome in ("ok", "failed", "skipped")}
+    verdict = ("FAILED: " + "; ".join(failed) if failed else "passed") + (
+        f" so far, {len(rows)} of {planned} runs" if len(rows) < planned else "")
+    results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": c.name, "failed": failed,
+               "runs": rows, "verdict": verdict, "command": c.report.command,
+               "data": c.report.data, "loader": c.report.loader}
+    results["summary"] = (f"{verdict} ({', '.join(f'{n} {k}' for k, n in counts.items())}; "
+                          f"{results['date']})")
+    (c.work / "results.json").write_text(json.dumps(results, indent=2))
+    c.report.doc.write_text(DOC.read_text().split(RESULTS)[0] + "\n".join([
+        RESULTS, "", f"**{results['summary'].split(' (')[0]}** (" + results["summary"].split(
+            " (", 1)[1], "", f"- Device: {c.name}", f"- Command: `{c.report.command}`",
+        f"- Data: {c.report.data}", "", *table(rows), *loader_table(c.report)]) + "\n")
+    return results
+
+
+def loader_table(report):
+    """The loader alone against 02's training (its first timed run), if measured."""
+    if not report.loader:
+        return []
+    if "error" in report.loader:
+        return ["", f"Step 02's DataLoader alone: not measured ({report.loader['error']})."]
+    label, trained, compute = report.loader_against
+    return ["", f"Step 02's training DataLoader alone (its transforms in its workers, into pinned "
+                f"memory), one epoch of the timed data, against `{label}`: {trained:,.0f} img/s "
+                f"training" + (f", {compute:,.0f} img/s pure compute" if compute else "") + ".",
+            "", "| --workers | loader img/s |", "|---|---|",
+            *(f"| {workers} | {rate:,.0f} |" for workers, rate in report.loader.items())]
 
 
 def stop(why, fix="it needs an NVIDIA GPU and a CUDA build of torch; PYTHON=/path/to/python "
@@ -394,9 +451,9 @@ def parse_args(argv):
                                      usage="%(prog)s [options] [-- run flags]",
                                      description=__doc__.split("\n\n")[2].replace("\n", " "))
     parser.add_argument("--steps", default="02,03,04,05,06,07,08",
-                        help="e.g. 02,04 (default: 02 to 08)",
+                        help="e.g. 02,04, run in that order (default: 02 to 08)",
                         type=lambda text: (
-                            sorted({int(s) for s in text.split(",")})
+                            list(dict.fromkeys(int(s) for s in text.split(",")))
                             if re.fullmatch(r"0?[2-8](,0?[2-8])*", text)
                             else parser.error(f"--steps: 02 to 08 like 02,04, not {text}")))
     parser.add_argument("--gpus", type=int,
@@ -413,6 +470,9 @@ def parse_args(argv):
                         help="seconds per run (default 1800)")
     parser.add_argument("--work-dir", type=Path, default=REPO / "bench" / "gpu-check",
                         help="(default bench/gpu-check)")
+    parser.add_argument("--jobs", type=int, default=min(4, max(1, (os.cpu_count() or 1) // 4)),
+                        help="resume checks and paths run side by side after the timed runs "
+                             "(default: a quarter of the cores, at most 4)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print every command it would start; needs no GPU")
     parser.add_argument("--rehearse-on-cpu", action="store_true",
@@ -446,7 +506,7 @@ def main(argv=None):
     # all on the CPU
     hide = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"} if args.rehearse_on_cpu else {}
     c = types.SimpleNamespace(**{**vars(args), "gpus": gpus}, work=work, device=device,
-                              flags=flags, env=hide, data=work / "data" / "timed",
+                              flags=flags, env=hide, data=work / "data" / "timed", name=name,
                               small=work / "data" / "resume")
     # 1,025: 513 and 512 test images on 2 GPUs
     small = (min(args.train_size, 5000), min(args.test_size, 1025))
@@ -455,25 +515,47 @@ def main(argv=None):
     write_synthetic_cifar10(str(c.small), *small, kind="easy")
     (work / "deterministic").mkdir(exist_ok=True)
     (work / "deterministic" / "sitecustomize.py").write_text(DETERMINISTIC)
-    rows = [check(run, c) for run in plan(args.steps, gpus)]
-    failed = failures(rows)
-    counts = {outcome: sum(r["outcome"] == outcome for r in rows)
-              for outcome in ("ok", "failed", "skipped")}
-    results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": name, "failed": failed,
-               "runs": rows, "verdict": "FAILED: " + "; ".join(failed) if failed else "passed",
-               "command": shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
-               "data": f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, "
-                       f"{args.epochs} epochs (img/s of 2..{args.epochs}); resume check and paths "
-                       f"{small[0]} / {small[1]}, 2 epochs"}
-    (work / "results.json").write_text(json.dumps(results, indent=2))
-    doc = work / DOC.name if args.rehearse_on_cpu else DOC
-    summary = (f"**{results['verdict']}** ({', '.join(f'{n} {k}' for k, n in counts.items())}; "
-               f"{results['date']})")
-    doc.write_text(DOC.read_text().split(RESULTS)[0] + "\n".join([
-        RESULTS, "", summary, "", f"- Device: {name}", f"- Command: `{results['command']}`",
-        f"- Data: {results['data']}", "", *table(rows)]) + "\n")
-    say("\n".join(table(rows)) + f"\nwrote {work / 'results.json'} and {doc}\n"
-        f"gpu_check: {summary.replace('**', '')}")
+    runs, rows, lock = plan(args.steps, gpus), {}, threading.Lock()
+    c.report = types.SimpleNamespace(
+        command=shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
+        doc=work / DOC.name if args.rehearse_on_cpu else DOC, loader={},
+        data=f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, "
+             f"{args.epochs} epochs (img/s of 2..{args.epochs}); resume check and paths "
+             f"{small[0]} / {small[1]}, 2 epochs")
+
+    def done(run, row):  # the report so far, after each row (a check cut short leaves its rows)
+        with lock:
+            rows[run.label] = row
+            return report([rows[r.label] for r in runs if r.label in rows], len(runs), c)
+
+    # The timed runs one by one, the machine to themselves; after 02's first, its loader alone.
+    due = []
+    for run in (r for r in runs if not r.path):
+        row, resume = check(run, c)
+        if run.step == 2 and row["outcome"] == "ok" and not c.report.loader:
+            try:
+                c.report.loader = loader_rates([*c.flags, *run.args], c.data)
+                c.report.loader_against = (run.label, row["images_per_sec"],
+                                           row.get("compute_images_per_sec"))
+            except Exception as error:  # the check goes on; the report says why it lacks them
+                c.report.loader = {"error": f"{type(error).__name__}: {error}"}
+        done(run, row)
+        if resume:
+            due.append((run, row))
+
+    def finish(run, row):  # a timed run's resume check, or a path (and its own)
+        if row is None:
+            row = check(run, c)[0]
+        else:
+            row["resume"] = resume_check(run, c)
+        return done(run, row)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda job: finish(*job), [*due, *((r, None) for r in runs if r.path)]))
+    results = report([rows[r.label] for r in runs], len(runs), c)
+    say("\n".join([*table(results["runs"]), *loader_table(c.report)])
+        + f"\nwrote {work / 'results.json'} and {c.report.doc}\ngpu_check: {results['summary']}")
+    failed = results["failed"]
     return 1 if failed else 0
 
 

@@ -59,11 +59,12 @@ def launch_command(launcher, nproc, script):
 
 def env(**extra):
     """The environment of a run: one thread per process (OMP_NUM_THREADS=1; 2 cores), unbuffered
-    output, the venv's bin/ first on PATH, the repository on PYTHONPATH, no rank variables of an
-    outer job; then `extra`."""
+    output, the venv's bin/ first on PATH, the repository first on PYTHONPATH (then the caller's),
+    no rank variables of an outer job; then `extra`."""
     e = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-             PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}", PYTHONPATH=str(REPO))
+             PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")])))
     e.update({k: str(v) for k, v in extra.items()})
     return e
 

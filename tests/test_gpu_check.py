@@ -11,8 +11,8 @@
 * bf16 is skipped where the GPU would only emulate it; a missing library is a skip, a failing run a
   failure;
 * --rehearse-on-cpu runs the whole machinery with step 02 on the CPU: the run learns, resumes bit
-  for bit, is measured, and the report is written (in its work dir, never docs/); a run that ends
-  with `error:` fails it;
+  for bit, is measured (and its DataLoader alone), and the report is written (in its work dir,
+  never docs/); a run that ends with `error:` fails it;
 * gpu_bundle.sh downloads requirements.txt's pins without torch, DeepSpeed and Horovod as sources.
 """
 import contextlib
@@ -241,8 +241,8 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     """Data, the timed run of step 02, its pure compute rate, the bit-exact resume check, the
     report."""
     page = (REPO / "docs" / "benchmark-gpu.md").read_text()
-    assert gpu_check.main([*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--work-dir",
-                           str(tmp_path), *SMALL]) == 0
+    assert gpu_check.main([*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--jobs", "2",
+                           "--work-dir", str(tmp_path), *SMALL]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     ran, fp16, bf16, emulated = results["runs"]
     assert ran["outcome"] == "ok" and ran["test_acc"] >= 0.15 and ran["precision"] == "off", ran
@@ -250,6 +250,9 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     assert ran["resume"] == "equal", ran
     assert (ran["images_per_sec"] > 0 and ran["compute_images_per_sec"] > 0
             and ran["peak_memory_mb"] > 0), ran
+    # its DataLoader alone, with 2 workers (and more where there are the cores)
+    assert results["loader"]["2"] > 0 and "| --workers | loader img/s |" in (
+        tmp_path / "benchmark-gpu.md").read_text(), results["loader"]
     assert (fp16["outcome"] == bf16["outcome"] == emulated["outcome"] == "skipped"
             and "for a GPU" in fp16["why"]), (fp16, bf16)
     assert (emulated["run"] == "02 --amp bf16 where emulated"
