@@ -385,7 +385,8 @@ def report(rows, planned, c):
         f" so far, {len(rows)} of {planned} runs" if len(rows) < planned else "")
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": c.name, "failed": failed,
                "runs": rows, "verdict": verdict, "command": c.report.command,
-               "data": c.report.data, "loader": c.report.loader}
+               "data": c.report.data, "loader": c.report.loader,
+               "loader_against": c.report.loader_against, "planned": c.report.planned}
     results["summary"] = (f"{verdict} ({', '.join(f'{n} {k}' for k, n in counts.items())}; "
                           f"{results['date']})")
     (c.work / "results.json").write_text(json.dumps(results, indent=2))
@@ -402,10 +403,11 @@ def loader_table(report):
         return []
     if "error" in report.loader:
         return ["", f"Step 02's DataLoader alone: not measured ({report.loader['error']})."]
-    label, trained, compute = report.loader_against
-    return ["", f"Step 02's training DataLoader alone (its transforms in its workers, into pinned "
-                f"memory), one epoch of the timed data, against `{label}`: {trained:,.0f} img/s "
-                f"training" + (f", {compute:,.0f} img/s pure compute" if compute else "") + ".",
+    label, trained, compute = report.loader_against or (None, None, None)
+    return ["", "Step 02's training DataLoader alone (its transforms in its workers, into pinned "
+                "memory), one epoch of the timed data" + (
+                    f", against `{label}`: {trained:,.0f} img/s training" if label else "")
+            + (f", {compute:,.0f} img/s pure compute" if compute else "") + ".",
             "", "| --workers | loader img/s |", "|---|---|",
             *(f"| {workers} | {rate:,.0f} |" for workers, rate in report.loader.items())]
 
@@ -441,7 +443,11 @@ def find_device(args):
     count = torch.cuda.device_count() if device.type == "cuda" else 0
     found = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "deepspeed", "horovod")
                       if util.find_spec(n))
-    where = (f"{count} x {torch.cuda.get_device_name(device)}" if count
+    driver = shutil.which("nvidia-smi") and subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True).stdout.split()
+    where = (f"{count} x {torch.cuda.get_device_name(device)}"
+             + (f" (driver {driver[0]})" if driver else "") if count
              else "CPU (rehearsal: not GPU figures)")
     return device, args.gpus or count or 1, f"{where}; {found}, CUDA {torch.version.cuda}"
 
@@ -473,11 +479,30 @@ def parse_args(argv):
     parser.add_argument("--jobs", type=int, default=min(4, max(1, (os.cpu_count() or 1) // 4)),
                         help="resume checks and paths run side by side after the timed runs "
                              "(default: a quarter of the cores, at most 4)")
+    parser.add_argument("--continue-from", type=Path, metavar="RESULTS_JSON",
+                        help="a check cut short (its results.json): keep its ok rows, run the "
+                             "rest (and resume checks it lacks); the report holds both")
     parser.add_argument("--dry-run", action="store_true",
                         help="print every command it would start; needs no GPU")
     parser.add_argument("--rehearse-on-cpu", action="store_true",
                         help="all on the CPU (report: WORK/benchmark-gpu.md)")
     return parser.parse_args(argv)
+
+
+def dry_run(args, work, flags):
+    say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default "
+        "run and 02 --amp fp16, its resume check; then each path (and the resume check of "
+        "those whose checkpoints hold more)")
+    for run in plan(args.steps, args.gpus or 1):
+        base, out = work / "runs" / run.slug, "run" if run.path else "timed"
+        timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
+                        2 if run.path else args.epochs, flags)
+        needs = f"  (needs {run.needs} GPUs)" if run.needs > (args.gpus or 1) else ""
+        say(f"{run.label}:\n  {shown(timed)}{needs}")
+        for out, more in RESUME if run.resume else []:
+            resume = command(run, work / "data" / "resume", base / out, 2, flags, *more)
+            say(f"  {shown(resume)}")
+    return 0
 
 
 def main(argv=None):
@@ -487,19 +512,7 @@ def main(argv=None):
     work = args.work_dir.resolve()
     check_packages()
     if args.dry_run:
-        say(f"gpu_check --dry-run with {args.gpus or 1} GPU(s): each timed run; after a default "
-            "run and 02 --amp fp16, its resume check; then each path (and the resume check of "
-            "those whose checkpoints hold more)")
-        for run in plan(args.steps, args.gpus or 1):
-            base, out = work / "runs" / run.slug, "run" if run.path else "timed"
-            timed = command(run, work / "data" / ("resume" if run.path else "timed"), base / out,
-                            2 if run.path else args.epochs, flags)
-            needs = f"  (needs {run.needs} GPUs)" if run.needs > (args.gpus or 1) else ""
-            say(f"{run.label}:\n  {shown(timed)}{needs}")
-            for out, more in RESUME if run.resume else []:
-                resume = command(run, work / "data" / "resume", base / out, 2, flags, *more)
-                say(f"  {shown(resume)}")
-        return 0
+        return dry_run(args, work, flags)
     device, gpus, name = find_device(args)
     from synthetic import write_synthetic_cifar10
 
@@ -515,10 +528,17 @@ def main(argv=None):
     write_synthetic_cifar10(str(c.small), *small, kind="easy")
     (work / "deterministic").mkdir(exist_ok=True)
     (work / "deterministic" / "sitecustomize.py").write_text(DETERMINISTIC)
-    runs, rows, lock = plan(args.steps, gpus), {}, threading.Lock()
+    previous = json.loads(args.continue_from.read_text()) if args.continue_from else {}
+    runs, rows, lock = plan(args.steps, gpus), {r["run"]: r for r in previous.get("runs", [])}, \
+        threading.Lock()
+    # the rows planned before (a run cut short leaves some out), then this run's new ones
+    order = list(dict.fromkeys([*previous.get("planned", rows), *(r.label for r in runs)]))
+    kept = {label: row for label, row in rows.items() if row["outcome"] == "ok"}
+    this = shlex.join(["bash", "scripts/gpu_check.sh", *argv])
     c.report = types.SimpleNamespace(
-        command=shlex.join(["bash", "scripts/gpu_check.sh", *argv]),
-        doc=work / DOC.name if args.rehearse_on_cpu else DOC, loader={},
+        command=f"{previous['command']}`, then `{this}" if previous else this,
+        doc=work / DOC.name if args.rehearse_on_cpu else DOC, loader=previous.get("loader", {}),
+        loader_against=previous.get("loader_against"), planned=order,
         data=f"scripts/synthetic.py --easy, {args.train_size} / {args.test_size} images, "
              f"{args.epochs} epochs (img/s of 2..{args.epochs}); resume check and paths "
              f"{small[0]} / {small[1]}, 2 epochs")
@@ -526,11 +546,15 @@ def main(argv=None):
     def done(run, row):  # the report so far, after each row (a check cut short leaves its rows)
         with lock:
             rows[run.label] = row
-            return report([rows[r.label] for r in runs if r.label in rows], len(runs), c)
+            return report([rows[label] for label in order if label in rows], len(order), c)
 
     # The timed runs one by one, the machine to themselves; after 02's first, its loader alone.
     due = []
     for run in (r for r in runs if not r.path):
+        if run.label in kept:  # --continue-from: measured; its resume check may be due
+            if run.resume and kept[run.label]["resume"] is None:
+                due.append((run, kept[run.label]))
+            continue
         row, resume = check(run, c)
         if run.step == 2 and row["outcome"] == "ok" and not c.report.loader:
             try:
@@ -551,8 +575,10 @@ def main(argv=None):
         return done(run, row)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda job: finish(*job), [*due, *((r, None) for r in runs if r.path)]))
-    results = report([rows[r.label] for r in runs], len(runs), c)
+        list(pool.map(lambda job: finish(*job), [*due, *(
+            (r, None) for r in runs
+            if r.path and not (r.label in kept and (kept[r.label]["resume"] or not r.resume)))]))
+    results = report([rows[label] for label in order if label in rows], len(order), c)
     say("\n".join([*table(results["runs"]), *loader_table(c.report)])
         + f"\nwrote {work / 'results.json'} and {c.report.doc}\ngpu_check: {results['summary']}")
     failed = results["failed"]

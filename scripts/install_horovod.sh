@@ -25,6 +25,11 @@
 #   never been released. CXXFLAGS=-std=c++17 does not help: Horovod's CMakeLists
 #   removes any -std= flag from CMAKE_CXX_FLAGS. So we change 14 -> 17 in those
 #   two lines of the source before building.
+#   Three more for the GPU machine of docs/benchmark-gpu.md (CUDA 13, GCC 13): its
+#   CUDA kernels ask nvcc for C++11 (set(CMAKE_CUDA_STANDARD 11)), while CUDA 13's
+#   own C++ libraries require C++17: 17 there too; and GCC 13 no longer brings in
+#   <string> and <stdexcept> through other headers, which horovod/common/group_table.h
+#   and common.h rely on (the build stopped there): both #include lines are added.
 #
 # Why --no-build-isolation:
 #   Horovod's CMake scripts `import torch` to find its headers and libraries, so
@@ -186,6 +191,16 @@ if [[ -z $WHEEL ]]; then
         grep -q 'set(CMAKE_CXX_STANDARD 17)' "$SRC/$f" || fail "Patching $f did not work."
     done
     echo "==> Patched CMAKE_CXX_STANDARD 14 -> 17 (horovod/horovod#3996)"
+    patch_line() { # FILE OLD NEW: replace the line OLD (which must be there) with NEW
+        grep -qxF "$2" "$SRC/$1" || fail "Cannot patch $1: '$2' not found (Horovod $HVD_VERSION only)."
+        OLD=$2 NEW=$3 "$PY" -c 'import os, sys; p = sys.argv[1]; s = open(p).read()
+open(p, "w").write(s.replace(os.environ["OLD"] + "\n", os.environ["NEW"] + "\n", 1))' "$SRC/$1"
+    }
+    patch_line horovod/common/ops/cuda/CMakeLists.txt 'set(CMAKE_CUDA_STANDARD 11)' \
+        'set(CMAKE_CUDA_STANDARD 17)'
+    patch_line horovod/common/group_table.h '#include <vector>' $'#include <string>\n#include <vector>'
+    patch_line horovod/common/common.h '#include <string>' $'#include <stdexcept>\n#include <string>'
+    echo "==> Patched CUDA C++11 -> 17, #include <string> and <stdexcept> (CUDA 13, GCC 13)"
 
     # Horovod's setup.py lists its runtime dependencies as setup_requires too; with
     # --no-build-isolation they must already be installed, or setuptools tries to
@@ -207,6 +222,9 @@ if [[ -z $WHEEL ]]; then
         export HOROVOD_GPU_OPERATIONS=$GPU_OPS # HOROVOD_CUDA_HOME/NCCL_HOME pass through
     fi
     export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}
+    # Horovod's bundled Gloo asks for CMake < 3.5, which CMake 4 refuses ("Compatibility with CMake
+    # < 3.5 has been removed"); CMake 4 takes this instead (older CMake ignores it).
+    export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
     # Horovod builds RelWithDebInfo (-g): ~60 MB of debug info in the .so. Drop it
     # at link time, so the wheel (and the installed library) is ~10x smaller.
     export LDFLAGS="${LDFLAGS:-} -Wl,--strip-debug"

@@ -12,7 +12,8 @@
   failure;
 * --rehearse-on-cpu runs the whole machinery with step 02 on the CPU: the run learns, resumes bit
   for bit, is measured (and its DataLoader alone), and the report is written (in its work dir,
-  never docs/); a run that ends with `error:` fails it;
+  never docs/), and continued from its results.json it runs only the rows that were not ok; a
+  run that ends with `error:` fails it;
 * gpu_bundle.sh downloads requirements.txt's pins without torch, DeepSpeed and Horovod as sources.
 """
 import contextlib
@@ -266,6 +267,16 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     assert re.search(row, report, re.M), report
     # a rehearsal never writes the docs
     assert (REPO / "docs" / "benchmark-gpu.md").read_text() == page
+    # A check cut short, continued: its ok rows are kept (no run starts again), the rest are run.
+    del results["runs"][1]
+    (tmp_path / "cut.json").write_text(json.dumps(results))
+    assert gpu_check.main([*REHEARSAL, "--steps", "02", "--continue-from",
+                           str(tmp_path / "cut.json"), "--work-dir", str(tmp_path), *SMALL]) == 0
+    continued = json.loads((tmp_path / "results.json").read_text())
+    assert [r["run"] for r in continued["runs"]] == [r["run"] for r in (ran, fp16, bf16, emulated)]
+    assert continued["runs"][0] == ran and continued["loader"] == results["loader"]
+    assert (tmp_path / "runs" / "02-auto" / "log.txt").read_text() == log
+    assert "`, then `bash scripts/gpu_check.sh" in continued["command"]
     assert "gpu_check: passed (1 ok, 0 failed, 3 skipped" in capsys.readouterr().out
     # The resume runs' fixed kernels: every python on their PYTHONPATH turns them on.
     # fixed kernels, though every step asks cuDNN to time them
