@@ -75,7 +75,9 @@ AccountingStorageType=accounting_storage/none
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-SchedulerParameters=batch_sched_delay=0
+# sched_interval=1: a requeued job starts as soon as it may, not at the next scheduling pass (every 60 s,
+# backfill's every 30 s: up to 40 s of waiting in tests/test_slurm.py's requeue).
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=4
