@@ -3,15 +3,16 @@ model, HSDP (2 replicas of 2 shards) learns the same curve with equal replicas, 
 resumes on other meshes both ways, and checkpoints move both ways between 08 and 04 (held to the
 tolerance of the other cross-method tests). Its sharded resume on the same 2 processes ends bit for
 bit where 04 does, with ResNet-18's batch-norm statistics: tests/test_default_model.py."""
+import re
 import shutil
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.checkpoint import weights_digest
-from helpers import (DDP_ARGS, EPOCHS, as_after_epoch, assert_step01_evaluates_as_logged,
-                     assert_trained, checkpoint_epoch, digests, load_checkpoint, metrics,
-                     torchrun)
+from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch,
+                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
+                     load_checkpoint, metrics, run, torchrun)
 
 # run08's recipe on 4 processes: global batch 64 in fp32
 HSDP_ARGS = ["--batch-size", "16", "--amp", "off"]
@@ -122,3 +123,14 @@ def test_bf16_policy_learns(small_data, tmp_path):
                     "--out-dir", tmp_path)
     assert "amp bf16" in proc.output, proc.output
     assert_trained(tmp_path, epochs=2, ranks=2)
+
+
+def test_save_stall_times_every_way_of_saving_with_08s_own_model():
+    """scripts/save_stall.py (its table is in docs/08-fsdp.md), on the small cnn: one row per way of
+    saving, each a time; the background writing includes async_save's own wait."""
+    output = run([PYTHON, "scripts/save_stall.py", "--arch", "cnn", "--repeats", "1"]).output
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([\d.]+)", output, re.M))
+    assert list(rows) == ["dcp.save", "dcp.async_save", "background writing",
+                          "gathered .pt (08 today, every epoch)"], output
+    assert float(rows["dcp.async_save"]) <= float(rows["background writing"]), output
+    assert "step 08, cnn (" in output and "2 CPU processes (gloo)" in output, output
