@@ -195,9 +195,10 @@ class Meter:
         self.data_seconds += time.perf_counter() - self.ready
         if self.passes % self.grad_accum == 0:  # an optimizer step begins
             self._profile_step()
-        # The pass whose backward meets the other ranks.
+        # The pass whose backward meets the other ranks (timing() adds a short last step's).
+        self.arrived = time.time() - ARRIVALS_FROM
         if self.passes % self.grad_accum == self.grad_accum - 1:
-            self.arrivals.append(time.time() - ARRIVALS_FROM)
+            self.arrivals.append(self.arrived)
         self.passes += 1
 
     def batch_done(self):
@@ -207,7 +208,9 @@ class Meter:
     def timing(self):
         """This rank's timing of the epoch in its own slots of a vector that a max over ranks
         (collective) fills with every rank's: each step's last arrival, then (train_s, data_s, the
-        sum of its arrivals) per rank."""
+        sum of its arrivals) per rank. Called once, after the epoch's loop."""
+        if self.passes % self.grad_accum:  # the epoch's last step was short: its last pass
+            self.arrivals.append(self.arrived)
         steps, me = len(self.arrivals), len(self.arrivals) + 3 * rank()
         row = torch.zeros(steps + 3 * processes(), dtype=torch.float64)
         # float64, as every figure here: sums of arrivals stay exact.

@@ -205,11 +205,13 @@ def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_termina
             rank, stream.getvalue())
 
 
-def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch):
-    """metrics.Meter as rank 0 of 2 over 4 steps, its timing() gathered with rank 1's by a max (the
-    steps' all-reduce): rank 1 had each step's batch 0.5 s after rank 0, spent 1.5 s waiting for
-    data and 10 s in the loop. Rank 0 then waited 2 s for it, rank 1 for nobody; each rank's slots
-    hold its own figures."""
+@pytest.mark.parametrize("grad_accum,passes", [(1, 4), (2, 7)])
+def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monkeypatch, grad_accum,
+                                                                           passes):
+    """metrics.Meter as rank 0 of 2 over 4 optimizer steps (with --grad-accum 2, the last of them
+    short: 1 pass), its timing() gathered with rank 1's by a max (the steps' all-reduce): rank 1 had
+    each step's last batch 0.5 s after rank 0, spent 1.5 s waiting for data and 10 s in the loop.
+    Rank 0 then waited 2 s for it, rank 1 for nobody; each rank's slots hold its own figures."""
     from types import SimpleNamespace
 
     import torch
@@ -218,9 +220,9 @@ def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monke
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    meter = Meter(SimpleNamespace(grad_accum=1, out_dir=".", profile=0), 4)
+    meter = Meter(SimpleNamespace(grad_accum=grad_accum, out_dir=".", profile=0), 4)
     meter.start(None, 0)
-    for _ in range(4):
+    for _ in range(passes):
         meter.batch_in_hand()
         meter.batch_done()
     row = meter.timing()
