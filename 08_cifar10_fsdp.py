@@ -251,22 +251,33 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
     if done < epoch:
         final += f"-step{row['steps']:06d}"
     model_state, optim_state = get_state_dict(model, optimizer)
-    position = {"step": STEP, "epoch": done, "global_step": global_step, "metrics": row,
-                "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict()}
+    position = {"step": STEP, "arch": args.arch, "processes": dist.get_world_size(),
+                "args": {k: v for k, v in vars(args).items() if k != "given"}, "epoch": done,
+                "global_step": global_step, "metrics": row, "scaler": scaler.state_dict(),
+                "scheduler": scheduler.state_dict(), "synthetic": info.synthetic}
     state = {"model": model_state, "optim": optim_state, "position": json.dumps(position),
              "rng": torch.get_rng_state()}
     writing = dcp.async_save(state, checkpoint_id=final + ".tmp",
                              process_group=saving)  # collective
-    # FSDP: and the whole state, gathered on rank 0, as the checkpoint-epochNNNN.pt of 01-07.
+    # FSDP: rank 0 puts the plain values beside them, for a resume's settings and dcp_to_pt.py.
+    if dist.get_rank() == 0:
+        os.makedirs(final + ".tmp", exist_ok=True)
+        with open(os.path.join(final + ".tmp", "position.json"), "w") as f:
+            f.write(state["position"])
+    return writing, final
+
+
+# FSDP: once, when the run ends or stops: the whole state gathered on rank 0, as the
+# checkpoint-epochNNNN.pt of 01-07 (scripts/dcp_to_pt.py makes one of any dcp/ folder).
+def save_gathered(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
     model_state = get_model_state_dict(model, options=GATHER)  # collective
     optim = get_optimizer_state_dict(model, optimizer, options=GATHER)  # collective
     if dist.get_rank() == 0:
         index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
                         global_step=global_step, model_state=model_state,
-                        optimizer=rekeyed(optim, index), scheduler=scheduler, scaler=scaler,
-                        args=args, metrics=row, synthetic=info.synthetic)
-    return writing, final
+                        optimizer=rekeyed(optim, index), scheduler=scheduler,
+                        scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
 
 
 # FSDP: wait for the save in flight; once rank 0's part is done, every rank's is (rank 0 writes
@@ -358,17 +369,20 @@ def main(argv=None):
         global_step = scheduler.last_epoch
         if not row.get("partial"):
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
-        # FSDP: every rank saves its shards once the save before is done, and helps gather the whole
-        # checkpoint for rank 0.
+        # FSDP: every rank saves its shards, in the background, once the save before is done.
         finish_save(args, in_flight)
         in_flight = save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler,
                                     row, info, saving)
+        last = epoch, global_step, row
         log.epoch(row)
         dist.barrier()  # collective
         if stop.leave(epoch, start_epoch, args.epochs):  # collective
             break
 
-    # FSDP: the last save finishes; every rank writes weights-rankN.sha256 of the whole model.
+    # FSDP: the gathered checkpoint of the last save (if this run saved); the last save finishes;
+    # every rank writes weights-rankN.sha256 of the whole model.
+    if in_flight:
+        save_gathered(args, *last[:2], model, optimizer, scheduler, scaler, last[2], info)
     finish_save(args, in_flight)
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
     # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.

@@ -11,6 +11,7 @@ Tensors are saved in the plain layout."""
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -63,19 +64,26 @@ def _restore_rng(rng):
                 lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
-def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
-         scaler=None, args=None, metrics=None, synthetic=False, keep=3):
-    """Write the checkpoint of epoch `epoch` (its row: `metrics`) atomically; keep the newest
-    `keep`. Returns the path."""
-    done = epoch - 1 if (metrics or {}).get("partial") else epoch
+def header(step, args, synthetic=False):
+    """A checkpoint's plain values that say which run wrote it (what settings() reads): step 08
+    keeps them in its DCP folders too."""
     items = vars(args).items() if args else ()
     plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) or v is None}
-    state = {"format": FORMAT, "step": step, "arch": arch, "model": model_state,
-             "optimizer": getattr(optimizer, "state_dict", lambda: optimizer)(),  # or its state
-             "scheduler": scheduler and scheduler.state_dict(),
-             "scaler": scaler and scaler.state_dict(), "epoch": done, "global_step": global_step,
-             "rng": rng_states(), "processes": processes(), "metrics": metrics or {},
-             "synthetic": bool(synthetic), "args": plain}
+    return {"format": FORMAT, "step": step, "arch": getattr(args, "arch", None),
+            "processes": processes(), "synthetic": bool(synthetic), "args": plain}
+
+
+def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
+         scaler=None, args=None, metrics=None, synthetic=False, keep=3, rng=None, ran_on=None):
+    """Write the checkpoint of epoch `epoch` (its row: `metrics`) atomically; keep the newest
+    `keep`. Returns the path. The optimizer, scheduler and scaler: objects or their state_dicts;
+    rng and ran_on (processes): this process's, unless given (scripts/dcp_to_pt.py)."""
+    done = epoch - 1 if (metrics or {}).get("partial") else epoch
+    state = {**header(step, args, synthetic), "arch": arch, "model": model_state,
+             **{name: getattr(obj, "state_dict", lambda obj=obj: obj)() for name, obj in
+                (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler))},
+             "epoch": done, "global_step": global_step, "rng": rng or rng_states(),
+             "processes": ran_on or processes(), "metrics": metrics or {}}
     # --channels-last keeps NHWC.
     state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)
     path = checkpoint_path(out_dir, epoch, metrics)
@@ -160,6 +168,24 @@ def _newest(folder):
                                     default="none"))
 
 
+def dcp_folders(out_dir):
+    """Step 08's complete DCP checkpoints in out_dir (dcp/epochNNNN[-stepSSSSSS]; a save still
+    being written, or killed, is epochNNNN.tmp), newest first."""
+    return sorted(glob.glob(os.path.join(glob.escape(out_dir), DCP_DIR, "epoch*[0-9]")),
+                  reverse=True)
+
+
+def dcp_header(folder):
+    """The plain values step 08 writes beside a DCP checkpoint (position.json: its run's settings,
+    as a .pt holds them, and its position), what settings() needs of it."""
+    try:
+        with open(os.path.join(folder, "position.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:  # not 08's, or damaged
+        raise UserError(f"{folder} has no readable position.json of step 08 ({error}); resume "
+                        "an older one") from None
+
+
 def _beside(folder):
     """The checkpoint-epochNNNN.pt that 05 or 08 writes with a folder of its own checkpoints (or
     with their newest), whether it is there or not."""
@@ -196,6 +222,8 @@ def _not_a_file(path):
     shown = f"the checkpoint-epochNNNN.pt that {step} wrote into the same --out-dir"
     if os.path.isfile(beside):
         shown = beside if os.path.relpath(beside).startswith(os.pardir) else os.path.relpath(beside)
+    elif kind == "dcp":  # 08 writes it at the end of a run: after a crash, the converter
+        shown = f"the file `python scripts/dcp_to_pt.py {_newest(folder)}` makes of it"
     which = "it" if folder == os.path.normpath(path) else folder
     if kind == "deepspeed":
         return (f"--resume {path} is a DeepSpeed checkpoint folder (step 05's engine checkpoint), "
@@ -322,18 +350,20 @@ def _settings_to_continue(args):
     if args.resume is None or (args.resume == "auto" and args.overwrite):
         return {}
     found = [args.resume]
-    if args.resume == "auto":
-        found = list_checkpoints(args.out_dir)
+    if args.resume == "auto":  # 08: its newest DCP folder first (after a crash, the only one)
+        found = dcp_folders(args.out_dir)[:1] + list_checkpoints(args.out_dir)
     elif os.path.isdir(args.resume):
         # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
+        kind, folder = library_folder(args.resume)
         beside = _beside(args.resume)
-        found = [beside] if os.path.isfile(beside) else []
+        found = [folder] * (kind == "dcp") + [beside] * os.path.isfile(beside)
     for path in found:
         try:
-            state = load(path, mmap=True)  # only the small values are read
+            # only the small values are read
+            state = dcp_header(path) if os.path.isdir(path) else load(path, mmap=True)
             break
         except UserError:
-            if args.resume != "auto":
+            if args.resume != "auto" and not os.path.isdir(args.resume):
                 raise
     else:
         return {}  # nothing to continue: resume() says so, or which files it skipped

@@ -68,7 +68,7 @@ def rank(index, args, port, folder, results):
     optimizer.step()
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
     rows = {"dcp.save": [], "dcp.async_save": [], "background writing": [],
-            "gathered .pt (08 today, every epoch)": []}
+            "gathered .pt (once, at the end; before, every epoch)": []}
     for repeat in range(args.repeats):
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
@@ -87,7 +87,7 @@ def rank(index, args, port, folder, results):
             if dist.get_rank() == 0:
                 torch.save({"model": model_whole, "optimizer": optim_whole},
                            f"{folder}/whole{repeat}.pt")
-        rows["gathered .pt (08 today, every epoch)"].append(timed(gathered)[0])
+        rows["gathered .pt (once, at the end; before, every epoch)"].append(timed(gathered)[0])
     if index == 0:
         results.update({k: statistics.median(v) for k, v in rows.items()})
     dist.barrier()

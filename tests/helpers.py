@@ -246,7 +246,8 @@ def as_after_epoch(src, dst, epoch, rows=True):
     none, as a kill before the row was written leaves it)."""
     src, dst, tag = Path(src), Path(dst), f"epoch{epoch:04d}"
     dst.mkdir(parents=True, exist_ok=True)
-    shutil.copy(checkpoint_epoch(src, epoch), dst)
+    if (src / f"checkpoint-{tag}.pt").is_file():  # 08 gathers its own at the end of a run only
+        shutil.copy(src / f"checkpoint-{tag}.pt", dst)
     for folder in ("ds_checkpoints", "dcp"):
         if (src / folder / tag).is_dir():
             shutil.copytree(src / folder / tag, dst / folder / tag)

@@ -161,6 +161,11 @@ MUTANTS = [
            "shape = (1, dist.get_world_size())"),
     Mutant(8, "the last save never finished (its folder stays .tmp)",
            r"^\s+finish_save\(args, in_flight\)\n(\s+log\.finish)", r"\1"),
+    Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
+           r"position = \{\*\*checkpoint\.header\(STEP, args, info\.synthetic\), ",
+           "position = {"),
+    Mutant(8, "the gathered checkpoint-epochNNNN.pt never written",
+           r"^(\s+)save_gathered\(args, \*last\[:2\]", r"\1(lambda *a: None)(args, *last[:2]"),
 ]
 
 

@@ -69,8 +69,16 @@ def resumed_state(source, epoch, out, processes, replicate, data):
                     str(64 // processes), "--amp", "off", "--replicate", str(replicate),
                     "--out-dir", out, "--resume", "auto")
     assert f"resumed from epoch {epoch} (written by 08_cifar10_fsdp), sharded" in proc.output
-    saved = load_checkpoint(checkpoint_epoch(source, epoch))["model"]
+    saved = converted(source, epoch, out.parent / "converted")["model"]
     return set(digests(out).values()), weights_digest(saved)
+
+
+def converted(source, epoch, out):
+    """The checkpoint-epochNNNN.pt that scripts/dcp_to_pt.py makes of `source`'s dcp/epochNNNN (08
+    gathers one itself only when its run ends)."""
+    folder = source / "dcp" / f"epoch{epoch:04d}"
+    run([PYTHON, "scripts/dcp_to_pt.py", folder, "--out-dir", out])
+    return load_checkpoint(checkpoint_epoch(out, epoch))
 
 
 @pytest.mark.parametrize("processes,replicate", [(4, 1), (4, 4), (2, 1)],
@@ -95,10 +103,11 @@ def test_a_1x2_checkpoint_resumes_bit_for_bit_on_2x2(run08, data, tmp_path):
 
 
 def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_path):
-    """04 continues 08's epoch 1 like 08 did, and 08 continues 04's epoch 1 like 04 did (momentum
-    included)."""
-    (tmp_path / "04").mkdir()
-    shutil.copy(checkpoint_epoch(run08[0], 1), tmp_path / "04")
+    """04 continues 08's epoch 1 (its DCP folder, made a checkpoint-epoch0001.pt by
+    scripts/dcp_to_pt.py) like 08 did, and 08 continues 04's epoch 1 like 04 did (momentum
+    included). 08 itself gathered only its last epoch's."""
+    assert not (run08[0] / "checkpoint-epoch0001.pt").exists()
+    converted(run08[0], 1, tmp_path / "04")
     proc = torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", tmp_path / "04",
                     "--resume", "auto")
     assert "resumed from epoch 1 (written by 08_cifar10_fsdp)" in proc.output
@@ -107,6 +116,18 @@ def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_pa
                     "--resume", checkpoint_epoch(run04[0], 1))
     assert "resumed from epoch 1 (written by 04_cifar10_ddp)" in proc.output
     epoch_close(metrics(run04[0])[1], metrics(tmp_path / "08")[-1])
+
+
+def test_a_run_killed_after_a_save_continues_with_its_own_settings_from_dcp_alone(run08, data,
+                                                                                    tmp_path):
+    """A crash leaves the newest state in dcp/ alone (08 gathers its .pt when the run ends): with
+    only --resume auto (run08's batch, precision and epochs not typed), 08 takes the run's settings
+    from the DCP folder and ends with run08's exact weights, gathering the .pt at its end."""
+    shutil.copytree(run08[0] / "dcp" / "epoch0001", tmp_path / "dcp" / "epoch0001")
+    proc = torchrun(2, 8, *data, "--out-dir", tmp_path, "--resume", "auto")
+    assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output, proc.output
+    assert digests(tmp_path) == digests(run08[0])
+    assert load_checkpoint(checkpoint_epoch(tmp_path, 2))["args"]["batch_size"] == 32
 
 
 def test_01_evaluates_the_gathered_checkpoint_to_the_logged_accuracy(run08, data, tmp_path):
@@ -131,6 +152,6 @@ def test_save_stall_times_every_way_of_saving_with_08s_own_model():
     output = run([PYTHON, "scripts/save_stall.py", "--arch", "cnn", "--repeats", "1"]).output
     rows = dict(re.findall(r"^\| ([^|]+?) \| ([\d.]+)", output, re.M))
     assert list(rows) == ["dcp.save", "dcp.async_save", "background writing",
-                          "gathered .pt (08 today, every epoch)"], output
+                          "gathered .pt (once, at the end; before, every epoch)"], output
     assert float(rows["dcp.async_save"]) <= float(rows["background writing"]), output
     assert "step 08, cnn (" in output and "2 CPU processes (gloo)" in output, output

@@ -318,9 +318,10 @@ LIBRARY_FOLDERS = {
     # One epoch's DCP folder (08's dcp/epochNNNN), with 08's gathered checkpoint beside it.
     "dcp-epoch": ("dcp/epoch0003", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "resume it"],
                   True),
-    # dcp/ itself, alone: its newest epoch is the one to resume, and no file beside names itself.
+    # dcp/ itself, alone (a crashed run): its newest epoch is the one to resume, and the converter
+    # makes the file any step resumes.
     "dcp-parent": ("dcp", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "dcp/epoch0003 with",
-                           "checkpoint-epochNNNN.pt that 08 wrote"], False),
+                           "python scripts/dcp_to_pt.py ", "dcp/epoch0003` makes of it"], False),
     "deepspeed": ("ds_checkpoints", ["DeepSpeed checkpoint folder", "05_cifar10_deepspeed.py",
                                      "momentum starts from zero"], True),
     "plain-folder": ("elsewhere", ["is a folder, not a checkpoint file"], False),
