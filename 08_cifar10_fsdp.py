@@ -269,7 +269,7 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 
 # FSDP: once, when the run ends or stops: the whole state gathered on rank 0, as the
 # checkpoint-epochNNNN.pt of 01-07 (scripts/dcp_to_pt.py makes one of any dcp/ folder).
-def save_gathered(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
+def save_gathered(args, epoch, global_step, row, model, optimizer, scheduler, scaler, info):
     model_state = get_model_state_dict(model, options=GATHER)  # collective
     optim = get_optimizer_state_dict(model, optimizer, options=GATHER)  # collective
     if dist.get_rank() == 0:
@@ -382,7 +382,7 @@ def main(argv=None):
     # FSDP: the gathered checkpoint of the last save (if this run saved); the last save finishes;
     # every rank writes weights-rankN.sha256 of the whole model.
     if in_flight:
-        save_gathered(args, *last[:2], model, optimizer, scheduler, scaler, last[2], info)
+        save_gathered(args, *last, model, optimizer, scheduler, scaler, info)
     finish_save(args, in_flight)
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
     # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.

@@ -64,13 +64,9 @@ def _restore_rng(rng):
                 lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
-def header(step, args, synthetic=False):
-    """A checkpoint's plain values that say which run wrote it (what settings() reads): step 08
-    keeps them in its DCP folders too."""
-    items = vars(args).items() if args else ()
-    plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) or v is None}
-    return {"format": FORMAT, "step": step, "arch": getattr(args, "arch", None),
-            "processes": processes(), "synthetic": bool(synthetic), "args": plain}
+def _state(obj):
+    """An optimizer's, scheduler's or scaler's state_dict(), or the state itself (or None)."""
+    return obj.state_dict() if hasattr(obj, "state_dict") else obj
 
 
 def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
@@ -79,11 +75,13 @@ def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None
     `keep`. Returns the path. The optimizer, scheduler and scaler: objects or their state_dicts;
     rng and ran_on (processes): this process's, unless given (scripts/dcp_to_pt.py)."""
     done = epoch - 1 if (metrics or {}).get("partial") else epoch
-    state = {**header(step, args, synthetic), "arch": arch, "model": model_state,
-             **{name: getattr(obj, "state_dict", lambda obj=obj: obj)() for name, obj in
-                (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler))},
-             "epoch": done, "global_step": global_step, "rng": rng or rng_states(),
-             "processes": ran_on or processes(), "metrics": metrics or {}}
+    items = vars(args).items() if args else ()
+    plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) or v is None}
+    state = {"format": FORMAT, "step": step, "arch": arch, "model": model_state,
+             "optimizer": _state(optimizer), "scheduler": _state(scheduler),
+             "scaler": _state(scaler), "epoch": done, "global_step": global_step,
+             "rng": rng or rng_states(), "processes": ran_on or processes(),
+             "metrics": metrics or {}, "synthetic": bool(synthetic), "args": plain}
     # --channels-last keeps NHWC.
     state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)
     path = checkpoint_path(out_dir, epoch, metrics)
@@ -356,7 +354,9 @@ def _settings_to_continue(args):
         # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
         kind, folder = library_folder(args.resume)
         beside = _beside(args.resume)
-        found = [folder] * (kind == "dcp") + [beside] * os.path.isfile(beside)
+        found = [folder] if kind == "dcp" else []  # 08's settings, beside its shards
+        if os.path.isfile(beside):
+            found.append(beside)
     for path in found:
         try:
             # only the small values are read

@@ -164,7 +164,7 @@ MUTANTS = [
     Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
            r'"args": \{k: v for k, v in vars\(args\)\.items\(\) if k != "given"\}, ', ""),
     Mutant(8, "the gathered checkpoint-epochNNNN.pt never written",
-           r"^(\s+)save_gathered\(args, \*last\[:2\]", r"\1(lambda *a: None)(args, *last[:2]"),
+           r"^(\s+)save_gathered\(args, \*last, ", r"\1(lambda *a: None)(args, *last, "),
 ]
 
 
