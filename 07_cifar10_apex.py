@@ -248,7 +248,8 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
                 scaler.update()
             scheduler.step()
             optimizer.zero_grad()
-        totals[0] += loss.detach() * len(labels)
+        # Apex: O1's patched += refuses fp32 into fp64 (seen on an H100): the sums cast first.
+        totals[0] += (loss.detach() * len(labels)).double()
         totals[1] += len(labels)
         meter.batch_done()
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
@@ -277,7 +278,8 @@ def evaluate(args, model, loader, device, amp_dtype):
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images).float()
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum")
+        # Apex: cast before += as in training (O1).
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
     # DDP: add up every shard's loss sum, hits and count.

@@ -236,7 +236,8 @@ class Meter:
                "epoch_seconds": seconds, "peak_memory_mb": peak, "steps": steps,
                "images": int(seen)}
         if timing is not None:
-            last, done = timing[:len(self.arrivals)].sum().item(), len(self.arrivals)
+            # Summed as a list: apex.amp O1 makes a CUDA tensor's sum() fp32 (seen on an H100).
+            last, done = sum(timing[:len(self.arrivals)].tolist()), len(self.arrivals)
             train, data, arrived = timing[done:].view(processes(), 3).T.tolist()
             waits = [max(0.0, last - mine) for mine in arrived]
             row["ranks"] = {name: [round(seconds, 3) for seconds in values] for name, values in (

@@ -27,9 +27,10 @@
 #   two lines of the source before building.
 #   Three more for the GPU machine of docs/benchmark-gpu.md (CUDA 13, GCC 13): its
 #   CUDA kernels ask nvcc for C++11 (set(CMAKE_CUDA_STANDARD 11)), while CUDA 13's
-#   own C++ libraries require C++17: 17 there too; and GCC 13 no longer brings in
-#   <string> and <stdexcept> through other headers, which horovod/common/group_table.h
-#   and common.h rely on (the build stopped there): both #include lines are added.
+#   own C++ libraries require C++17: 17 there too; and GCC 13's C++ library no longer
+#   brings in <cstdint>, <string> and <stdexcept> through other headers, which Horovod's
+#   headers rely on (the build stopped at group_table.h): CXXFLAGS includes all three
+#   in every C++ file (-include), rather than patching each header that needs one.
 #
 # Why --no-build-isolation:
 #   Horovod's CMake scripts `import torch` to find its headers and libraries, so
@@ -198,9 +199,7 @@ open(p, "w").write(s.replace(os.environ["OLD"] + "\n", os.environ["NEW"] + "\n",
     }
     patch_line horovod/common/ops/cuda/CMakeLists.txt 'set(CMAKE_CUDA_STANDARD 11)' \
         'set(CMAKE_CUDA_STANDARD 17)'
-    patch_line horovod/common/group_table.h '#include <vector>' $'#include <string>\n#include <vector>'
-    patch_line horovod/common/common.h '#include <string>' $'#include <stdexcept>\n#include <string>'
-    echo "==> Patched CUDA C++11 -> 17, #include <string> and <stdexcept> (CUDA 13, GCC 13)"
+    echo "==> Patched CMAKE_CUDA_STANDARD 11 -> 17 (CUDA 13)"
 
     # Horovod's setup.py lists its runtime dependencies as setup_requires too; with
     # --no-build-isolation they must already be installed, or setuptools tries to
@@ -225,6 +224,8 @@ open(p, "w").write(s.replace(os.environ["OLD"] + "\n", os.environ["NEW"] + "\n",
     # Horovod's bundled Gloo asks for CMake < 3.5, which CMake 4 refuses ("Compatibility with CMake
     # < 3.5 has been removed"); CMake 4 takes this instead (older CMake ignores it).
     export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
+    # GCC 13 (see the top of this file): the headers Horovod uses without including them.
+    export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept"
     # Horovod builds RelWithDebInfo (-g): ~60 MB of debug info in the .so. Drop it
     # at link time, so the wheel (and the installed library) is ~10x smaller.
     export LDFLAGS="${LDFLAGS:-} -Wl,--strip-debug"
