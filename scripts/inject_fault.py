@@ -13,11 +13,13 @@ FAULT, on rank 1 unless said otherwise (rank N: FAULT_RANK=N):
   barrier           every rank meets the others in torch.distributed.monitored_barrier (timeout
                     BARRIER_TIMEOUT seconds, default 10) before each optimizer step, and rank 1
                     stops for good before its 5th
+  slow-save         every rank's Distributed Checkpoint writes (08's, in the background) wait SLOW
+                    seconds (default 60) from its 2nd save on: a kill then lands during a save
 Every fault: SIGUSR2 makes each rank write its flight recorder (TORCH_FR_BUFFER_SIZE=N must be set)
 to $FR_DIR/rankR, with the process groups' ranks added, which torch 2.13's gloo leaves out and
 torchfrtrace needs.
-The faults patch torch.optim.SGD.step (the optimizer of steps 04, 06, 07, 08) and
-common.data.CIFAR10Tensors.
+The faults patch torch.optim.SGD.step (the optimizer of steps 04, 06, 07, 08),
+common.data.CIFAR10Tensors and DCP's FileSystemWriter.
 """
 import datetime
 import os
@@ -31,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-FAULTS = ("slow-rank", "slow-data", "stuck-rank", "extra-collective", "exception", "barrier")
+FAULTS = ("slow-rank", "slow-data", "stuck-rank", "extra-collective", "exception", "barrier",
+          "slow-save")
 RANK = os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0"))
 FAULTY = RANK == os.environ.get("FAULT_RANK", "1")
 
@@ -90,6 +93,20 @@ def patch_data():
     CIFAR10Tensors.__getitem__ = slow_item
 
 
+def patch_checkpoint_writer():
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write, count = FileSystemWriter.write_data, [0]
+
+    def slow_write(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] >= 2:
+            time.sleep(float(os.environ.get("SLOW", "60")))
+        return write(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = slow_write
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in FAULTS:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(FAULTS)}}} STEP.py [arguments]")
@@ -98,6 +115,11 @@ if __name__ == "__main__":
     threading.Thread(target=dump_flight_recorder, daemon=True, name="flight-recorder").start()
     # The repository, for common/.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    patch_data() if sys.argv[1] == "slow-data" else patch_optimizer_step(sys.argv[1])
+    if sys.argv[1] == "slow-data":
+        patch_data()
+    elif sys.argv[1] == "slow-save":
+        patch_checkpoint_writer()
+    else:
+        patch_optimizer_step(sys.argv[1])
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

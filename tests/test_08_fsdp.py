@@ -3,16 +3,18 @@ model, HSDP (2 replicas of 2 shards) learns the same curve with equal replicas, 
 resumes on other meshes both ways, and checkpoints move both ways between 08 and 04 (held to the
 tolerance of the other cross-method tests). Its sharded resume on the same 2 processes ends bit for
 bit where 04 does, with ResNet-18's batch-norm statistics: tests/test_default_model.py."""
+import os
 import re
 import shutil
+import signal
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.checkpoint import weights_digest
-from helpers import (DDP_ARGS, EPOCHS, PYTHON, as_after_epoch,
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, REPO, as_after_epoch,
                      assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
-                     load_checkpoint, metrics, run, torchrun)
+                     free_port, load_checkpoint, metrics, run, script, start, torchrun, wait_for)
 
 # run08's recipe on 4 processes: global batch 64 in fp32
 HSDP_ARGS = ["--batch-size", "16", "--amp", "off"]
@@ -118,16 +120,27 @@ def test_checkpoints_move_both_ways_between_04_and_08(run08, run04, data, tmp_pa
     epoch_close(metrics(run04[0])[1], metrics(tmp_path / "08")[-1])
 
 
-def test_a_run_killed_after_a_save_continues_with_its_own_settings_from_dcp_alone(run08, data,
-                                                                                    tmp_path):
-    """A crash leaves the newest state in dcp/ alone (08 gathers its .pt when the run ends): with
-    only --resume auto (run08's batch, precision and epochs not typed), 08 takes the run's settings
-    from the DCP folder and ends with run08's exact weights, gathering the .pt at its end."""
-    shutil.copytree(run08[0] / "dcp" / "epoch0001", tmp_path / "dcp" / "epoch0001")
+def test_a_run_killed_during_an_async_save_resumes_from_the_save_before(run08, data, tmp_path):
+    """Every process killed (SIGKILL) while its 2nd save is being written in the background (DCP's
+    writes slowed by scripts/inject_fault.py slow-save): dcp/epoch0002.tmp stays unfinished and
+    epoch0001 the newest complete checkpoint, with no .pt yet (08 gathers it when the run ends).
+    With only --resume auto (run08's batch, precision and epochs not typed), 08 takes the run's
+    settings from that DCP folder, passes over the .tmp and ends with run08's exact weights."""
+    job = start([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}",
+                 REPO / "scripts" / "inject_fault.py", "slow-save", script(8), *data, *EPOCHS,
+                 *DDP_ARGS, "--out-dir", tmp_path])
+    try:
+        wait_for(tmp_path, "dcp/epoch0002.tmp/position.json", job)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == ["epoch0001", "epoch0002.tmp"]
+    assert not list((tmp_path / "dcp" / "epoch0002.tmp").glob("*.distcp")), "it was not writing"
     proc = torchrun(2, 8, *data, "--out-dir", tmp_path, "--resume", "auto")
     assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output, proc.output
     assert digests(tmp_path) == digests(run08[0])
     assert load_checkpoint(checkpoint_epoch(tmp_path, 2))["args"]["batch_size"] == 32
+    assert not list((tmp_path / "dcp").glob("*.tmp")), "the resumed run's save replaced it"
 
 
 def test_01_evaluates_the_gathered_checkpoint_to_the_logged_accuracy(run08, data, tmp_path):
