@@ -43,7 +43,7 @@ class Mutant(NamedTuple):
 # The tests each step is held to: every test of the suite that runs the step (its own file, its
 # stops and resumes, its learning curve, its runs with the default model, its GPU paths rehearsed on
 # the CPU).
-CURVES = "tests/test_learning_curves.py::test_step_learns_like_step_01"
+CURVES = "tests/test_learning_curves.py::test_step_learns_like_its_reference"
 DEFAULT = "tests/test_default_model.py::test_each_distributed_step_ends_exactly_where_ddp_does"
 PREEMPT = "tests/test_preemption.py::test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly"
 GPU_PATHS = "tests/test_gpu_paths.py::test_"
