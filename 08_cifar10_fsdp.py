@@ -9,12 +9,14 @@ background, and the gathered checkpoint-epochNNNN.pt.
     torchrun --nproc_per_node=4 08_cifar10_fsdp.py
 """
 import datetime
+import functools
 import gc
 import glob
 import json
 import os
 import shutil
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -257,14 +259,20 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
                 "scheduler": scheduler.state_dict(), "synthetic": info.synthetic}
     state = {"model": model_state, "optim": optim_state, "position": json.dumps(position),
              "rng": torch.get_rng_state()}
-    writing = dcp.async_save(state, checkpoint_id=final + ".tmp",
-                             process_group=saving)  # collective
     # FSDP: rank 0 puts the plain values beside them, for a resume's settings and dcp_to_pt.py.
     if dist.get_rank() == 0:
         os.makedirs(final + ".tmp", exist_ok=True)
         with open(os.path.join(final + ".tmp", "position.json"), "w") as f:
             f.write(state["position"])
-    return writing, final
+    writing = dcp.async_save(state, checkpoint_id=final + ".tmp",
+                             process_group=saving)  # collective
+    # FSDP: rank 0 makes it the newest complete checkpoint the moment it is written (make_newest).
+    newest = threading.Event()
+    if dist.get_rank() == 0:
+        writing.add_done_callback(functools.partial(make_newest, args, final, newest))
+    else:
+        newest.set()
+    return writing, newest
 
 
 # FSDP: once, when the run ends or stops: the whole state gathered on rank 0, as the
@@ -280,18 +288,26 @@ def save_gathered(args, epoch, global_step, row, model, optimizer, scheduler, sc
                         scaler=scaler, args=args, metrics=row, synthetic=info.synthetic)
 
 
-# FSDP: wait for the save in flight; once rank 0's part is done, every rank's is (rank 0 writes
-# .metadata last): rank 0 renames it, the newest complete checkpoint, and keeps the newest 3.
-def finish_save(args, in_flight):
+# FSDP: on rank 0, once its save is written, every rank's part is (DCP gathers their results
+# before rank 0 writes .metadata): the folder is renamed the newest complete one; the newest 3 stay.
+def make_newest(args, final, newest, writing):
+    try:
+        if writing.exception() is None:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            for old in sorted(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")))[:-3]:
+                shutil.rmtree(old, ignore_errors=True)
+    finally:
+        newest.set()
+
+
+# FSDP: wait for the save in flight (and, on rank 0, for its rename).
+def finish_save(in_flight):
     if in_flight is None:
         return
-    writing, final = in_flight
+    writing, newest = in_flight
     writing.result()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(final + ".tmp", final)
-        for old in sorted(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")))[:-3]:
-            shutil.rmtree(old, ignore_errors=True)
+    newest.wait()
 
 
 def resume(args, model, optimizer, scheduler, scaler):
@@ -353,8 +369,6 @@ def main(argv=None):
     train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
     log.start(device, amp_dtype, train_loader)
-    # FSDP: no autocast in the loop: the MixedPrecisionPolicy casts.
-    amp_dtype = None
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
@@ -370,7 +384,7 @@ def main(argv=None):
         if not row.get("partial"):
             row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
         # FSDP: every rank saves its shards, in the background, once the save before is done.
-        finish_save(args, in_flight)
+        finish_save(in_flight)
         in_flight = save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler,
                                     row, info, saving)
         last = epoch, global_step, row
@@ -383,7 +397,7 @@ def main(argv=None):
     # every rank writes weights-rankN.sha256 of the whole model.
     if in_flight:
         save_gathered(args, *last, model, optimizer, scheduler, scaler, info)
-    finish_save(args, in_flight)
+    finish_save(in_flight)
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
     # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.
     del model, train_model

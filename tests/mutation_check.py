@@ -160,7 +160,7 @@ MUTANTS = [
            r"shape = \(args\.replicate, dist\.get_world_size\(\) // args\.replicate\)",
            "shape = (1, dist.get_world_size())"),
     Mutant(8, "the last save never finished (its folder stays .tmp)",
-           r"^\s+finish_save\(args, in_flight\)\n(\s+log\.finish)", r"\1"),
+           r"^\s+finish_save\(in_flight\)\n(\s+log\.finish)", r"\1"),
     Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
            r'"args": \{k: v for k, v in vars\(args\)\.items\(\) if k != "given"\}, ', ""),
     Mutant(8, "the gathered checkpoint-epochNNNN.pt never written",

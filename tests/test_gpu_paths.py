@@ -235,7 +235,8 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
 
 
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
-    """As 07's below, with FSDP's ShardedGradScaler; its scale travels in the DCP checkpoint."""
+    """As 07's below, with FSDP's ShardedGradScaler; its scale travels in the DCP checkpoint, which
+    becomes the newest complete one as soon as its background write ends."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     step = runpy.run_path(script(8), run_name="step08")
@@ -257,7 +258,9 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
     saving = torch.distributed.new_group(backend="gloo")
     in_flight = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler,
                                         {"epoch": 2}, INFO, saving)
-    step["finish_save"](args, in_flight)
+    # written in the background, it becomes the newest complete checkpoint then, not when waited for
+    assert in_flight[1].wait(60) and (tmp_path / "dcp" / "epoch0002" / ".metadata").is_file()
+    step["finish_save"](in_flight)
     model2, optimizer2, scheduler2, scaler2 = build()
     args.resume = "auto"  # the DCP folder it just wrote
     assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
