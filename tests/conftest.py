@@ -143,7 +143,7 @@ SLOW_TESTS = {
     "test_a_rehearsal_on_the_cpu_runs_the_whole_check",
     "test_a_rehearsal_whose_run_fails_with_an_error_line_fails_the_check",
     "test_a_copy_of_04_learns_the_users_data_from_every_image",
-    "test_a_copy_stopped_and_resumed_ends_where_04s_copy_does",
+    "test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does",
     "test_a_copy_of_05_trains_float_images_in_the_engines_precision",
     "test_every_requested_run_ran_through_its_launcher_with_its_model",
     "test_json_has_every_figure_or_null",
