@@ -83,3 +83,15 @@ def test_the_readme_is_a_map():
     hashes = [word for word in re.findall(r"\b[0-9a-f]{7,40}\b", text)
               if re.search(r"[a-f]", word) and re.search(r"\d", word)]
     assert not hashes, f"the README names commits: {hashes}"
+
+
+def test_the_suites_own_lists_name_tests_and_files_that_exist():
+    """conftest.py's quick tier and load order name tests and files by hand: a renamed test would
+    silently leave the quick tier (as the template's stop/resume test once did)."""
+    import conftest
+
+    files = {path.stem for path in (REPO / "tests").glob("test_*.py")}
+    names = {name for path in (REPO / "tests").glob("test_*.py")
+             for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
+    assert conftest.SLOW_FILES <= files and set(conftest.WEIGHT) <= files
+    assert conftest.SLOW_TESTS <= names, sorted(conftest.SLOW_TESTS - names)
