@@ -12,17 +12,15 @@ Nothing else of a copy changes, and the copies of 04 (torchrun), 05 (the deepspe
 * learn (test accuracy far above chance after 2 epochs), train every image once per epoch
   (metrics.jsonl's "images") and end with the same weights on every rank;
 * label their outputs with their own file name and --arch;
-* 05's and 08's copies, stopped after epoch 1 (whose last optimizer step is the short one) and
-  resumed, each end bit for bit where an uninterrupted run ends, with the same losses: 08's copy
-  in fp32 (NCHW) where one uninterrupted run of 04's copy ends (the resume is exact, and the two
-  methods agree on the user's model: 08 finds its FSDP units inside the ModuleList and starts from
-  rank 0's weights); 05's copy as the README runs it (--amp auto: bf16 on a CPU that computes it,
-  ZeRO stage 2 from ds_config.json), where its own uninterrupted run ends: the user's float
-  batches go in the engine's precision. (05 in fp32 is held to 04's bits in
-  tests/test_preemption.py; 04's copy runs 04's own resume, held there and in
-  tests/test_fault_tolerance.py.)
+* stopped after epoch 1 (whose last optimizer step is the short one) and resumed, each ends bit for
+  bit where an uninterrupted run ends, with the same losses: 04's and 08's copies in fp32 (NCHW)
+  where one uninterrupted run of 04's copy ends (the resumes are exact, and the two methods agree
+  on the user's model: 08 finds its FSDP units inside the ModuleList and starts from rank 0's
+  weights); 05's copy as the README runs it (--amp auto: bf16 on a CPU that computes it, ZeRO
+  stage 2 from ds_config.json), where its own uninterrupted run ends: the user's float batches go
+  in the engine's precision. (05 in fp32 is held to 04's bits in tests/test_preemption.py.)
 
-Six launches in all. torchvision's constructors fit ARCHS as they are (checked in this process).
+Eight launches in all. torchvision's constructors fit ARCHS as they are (checked in this process).
 """
 import re
 import runpy
@@ -203,7 +201,7 @@ def assert_learned_every_image(out, name, output):
 
 @pytest.fixture(scope="module")
 def reference(jobs, user_data, tmp_path_factory):
-    """04's copy, uninterrupted, in fp32: where the stopped and resumed copy of 08 ends."""
+    """04's copy, uninterrupted, in fp32: where the stopped and resumed copies of 04 and 08 end."""
     out = tmp_path_factory.mktemp("reference04")
     return out, launch(4, jobs, user_data, out, *EXACT).output
 
@@ -237,7 +235,7 @@ def test_a_copy_of_04_learns_the_users_data_from_every_image(reference):
     assert_learned_every_image(out, "my_ddp", output)
 
 
-@pytest.mark.parametrize("number", [5, 8], ids=["05-deepspeed", "08-fsdp"])
+@pytest.mark.parametrize("number", [4, 5, 8], ids=["04-ddp", "05-deepspeed", "08-fsdp"])
 def test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does(number, jobs, user_data,
                                                                          request, tmp_path):
     name, flags, fixture = JOBS[number][0], EXACT, "reference"
