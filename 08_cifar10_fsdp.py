@@ -245,25 +245,27 @@ GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info,
                     saving):
-    # FSDP: EVERY rank stages its shards, the run's position (plain values) and its random state,
-    # then writes them into dcp/epochNNNN[-stepSSSSSS].tmp in the background (DCP: an exact resume
-    # on any mesh) while training goes on; on `saving`, a gloo group, as async_save needs.
+    # FSDP: the folder, dcp/epochNNNN[-stepSSSSSS].tmp, and the run's position as plain values,
+    # which rank 0 puts in it first, for a resume's settings and dcp_to_pt.py.
     done = epoch - bool(row.get("partial"))
     final = os.path.join(args.out_dir, "dcp", f"epoch{done:04d}")
     if done < epoch:
         final += f"-step{row['steps']:06d}"
-    model_state, optim_state = get_state_dict(model, optimizer)
-    position = {"step": STEP, "arch": args.arch, "processes": dist.get_world_size(),
-                "args": {k: v for k, v in vars(args).items() if k != "given"}, "epoch": done,
-                "global_step": global_step, "metrics": row, "scaler": scaler.state_dict(),
-                "scheduler": scheduler.state_dict(), "synthetic": info.synthetic}
-    state = {"model": model_state, "optim": optim_state, "position": json.dumps(position),
-             "rng": torch.get_rng_state()}
-    # FSDP: rank 0 puts the plain values beside them, for a resume's settings and dcp_to_pt.py.
+    position = json.dumps({"step": STEP, "arch": args.arch, "processes": dist.get_world_size(),
+                           "args": {k: v for k, v in vars(args).items() if k != "given"},
+                           "epoch": done, "global_step": global_step, "metrics": row,
+                           "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
+                           "synthetic": info.synthetic})
     if dist.get_rank() == 0:
         os.makedirs(final + ".tmp", exist_ok=True)
         with open(os.path.join(final + ".tmp", "position.json"), "w") as f:
-            f.write(state["position"])
+            f.write(position)
+    # FSDP: EVERY rank stages its shards, the position and its random state, then writes them in the
+    # background (DCP: an exact resume on any mesh) while training goes on; on `saving`, a gloo
+    # group, as async_save needs.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "position": position,
+             "rng": torch.get_rng_state()}
     writing = dcp.async_save(state, checkpoint_id=final + ".tmp",
                              process_group=saving)  # collective
     # FSDP: rank 0 makes it the newest complete checkpoint the moment it is written (make_newest).

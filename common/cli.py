@@ -166,7 +166,7 @@ def exits_cleanly(main):
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr, flush=True)
             status = 130
-        # The exception's frames are gone: what they held (a loader, a process group) goes now.
+        # What main's frames or the exception's held (a loader, a process group) goes now.
         gc.collect()
         if main.__module__ == "__main__":
             end_now(status)

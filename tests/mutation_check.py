@@ -162,7 +162,7 @@ MUTANTS = [
     Mutant(8, "the last save never finished (its folder stays .tmp)",
            r"^\s+finish_save\(in_flight\)\n(\s+log\.finish)", r"\1"),
     Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
-           r'"args": \{k: v for k, v in vars\(args\)\.items\(\) if k != "given"\}, ', ""),
+           r'"args": \{k: v for k, v in vars\(args\)\.items\(\) if k != "given"\},\s*', ""),
     Mutant(8, "the gathered checkpoint-epochNNNN.pt never written",
            r"^(\s+)save_gathered\(args, \*last, ", r"\1(lambda *a: None)(args, *last, "),
 ]
