@@ -209,6 +209,10 @@ def resume_check(run, c):
                                                     os.environ.get("PYTHONPATH")]))}
     digests = lambda out: {p.name: p.read_text() for p in (base / out).glob("weights-rank*.sha256")}  # noqa: E731
 
+    # a check cut short and continued: what its resume runs left is started again
+    for out in {out for out, _ in RESUME}:
+        shutil.rmtree(base / out, ignore_errors=True)
+
     def go(out, *more):
         status, output = launch(command(run, c.small, base / out, 2, c.flags, *more),
                                 base / "log.txt", c.timeout, env)
@@ -347,6 +351,7 @@ def check(run, c):
             row["loop_vs_compute"] = row["images_per_sec"] / row["compute_images_per_sec"]
         except Exception as error:  # a failure the report shows, like a run's
             row.update(outcome="failed", why=f"pure compute rate: {type(error).__name__}: {error}")
+    row["resume_due"] = run.resume  # main runs it after the timed runs
     return row, run.resume
 
 
@@ -381,8 +386,12 @@ def report(rows, planned, c):
     failed = failures(rows)
     counts = {outcome: sum(r["outcome"] == outcome for r in rows)
               for outcome in ("ok", "failed", "skipped")}
+    # a check cut short: runs not started, or a timed run's resume check not run yet
+    due = sum(bool(r.get("resume_due")) for r in rows)
+    left = [f"{len(rows)} of {planned} runs"] if len(rows) < planned else []
+    left += [f"{due} resume check{'s' * (due > 1)} not run yet"] if due else []
     verdict = ("FAILED: " + "; ".join(failed) if failed else "passed") + (
-        f" so far, {len(rows)} of {planned} runs" if len(rows) < planned else "")
+        f" so far, {', '.join(left)}" if left else "")
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": c.name, "failed": failed,
                "runs": rows, "verdict": verdict, "command": c.report.command,
                "data": c.report.data, "loader": c.report.loader,
@@ -571,7 +580,7 @@ def main(argv=None):
         if row is None:
             row = check(run, c)[0]
         else:
-            row["resume"] = resume_check(run, c)
+            row.update(resume=resume_check(run, c), resume_due=False)
         return done(run, row)
 
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -12,7 +12,8 @@
   failure;
 * --rehearse-on-cpu runs the whole machinery with step 02 on the CPU: the run learns, resumes bit
   for bit, is measured (and its DataLoader alone), and the report is written (in its work dir,
-  never docs/), and continued from its results.json it runs only the rows that were not ok; a
+  never docs/), and continued from its results.json it runs only the rows that were not ok (and
+  a resume check it had not finished, from the start; until then it says "so far"); a
   run that ends with `error:` fails it;
 * gpu_bundle.sh downloads requirements.txt's pins without torch, DeepSpeed and Horovod as sources.
 """
@@ -23,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from importlib import util
 
 import pytest
@@ -119,6 +121,18 @@ def test_a_resume_that_is_not_exact_fails_its_row():
     assert gpu_check.failures(rows) == ["04: resume: differs: other weights",
                                         "05: did not learn; resume: differs: the ranks"]
     assert [r["outcome"] for r in rows] == ["failed", "failed", "ok", "skipped"]
+
+
+def test_a_check_cut_short_says_so_until_every_resume_check_has_run(tmp_path):
+    c = types.SimpleNamespace(work=tmp_path, name="a GPU", report=types.SimpleNamespace(
+        command="bash scripts/gpu_check.sh", doc=tmp_path / "page.md", data="", loader={},
+        loader_against=None, planned=["02", "03"]))
+    row = {"run": "02", "outcome": "ok", "why": None, "resume": None, "resume_due": True}
+    assert gpu_check.report([row], 2, c)["verdict"] == (
+        "passed so far, 1 of 2 runs, 1 resume check not run yet")
+    row.update(resume="equal", resume_due=False)
+    assert gpu_check.report([row], 1, c)["verdict"] == "passed"
+    assert "**passed** (1 ok, 0 failed, 0 skipped" in (tmp_path / "page.md").read_text()
 
 
 def assert_resume_triple(commands):
@@ -267,15 +281,20 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     assert re.search(row, report, re.M), report
     # a rehearsal never writes the docs
     assert (REPO / "docs" / "benchmark-gpu.md").read_text() == page
-    # A check cut short, continued: its ok rows are kept (no run starts again), the rest are run.
-    del results["runs"][1]
-    (tmp_path / "cut.json").write_text(json.dumps(results))
+    # A check cut short, continued: its ok rows are kept (no timed run starts again), the rest are
+    # run, and a resume check it had not finished runs again from the start (what its runs had
+    # written is not in its way: on a GPU, a reference run cut short once failed it).
+    cut = json.loads(json.dumps(results))
+    del cut["runs"][1]
+    cut["runs"][0].update(resume=None, resume_due=True)
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
     assert gpu_check.main([*REHEARSAL, "--steps", "02", "--continue-from",
                            str(tmp_path / "cut.json"), "--work-dir", str(tmp_path), *SMALL]) == 0
     continued = json.loads((tmp_path / "results.json").read_text())
     assert [r["run"] for r in continued["runs"]] == [r["run"] for r in (ran, fp16, bf16, emulated)]
     assert continued["runs"][0] == ran and continued["loader"] == results["loader"]
-    assert (tmp_path / "runs" / "02-auto" / "log.txt").read_text() == log
+    again = (tmp_path / "runs" / "02-auto" / "log.txt").read_text()
+    assert again.startswith(log) and again.count("$ python 02_cifar10_gpu.py") == 7, again
     assert "`, then `bash scripts/gpu_check.sh" in continued["command"]
     assert "gpu_check: passed (1 ok, 0 failed, 3 skipped" in capsys.readouterr().out
     # The resume runs' fixed kernels: every python on their PYTHONPATH turns them on.
