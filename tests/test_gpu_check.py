@@ -252,17 +252,38 @@ def test_a_run_that_fails_fails_the_check_and_only_a_missing_library_is_a_skip()
         assert verdict(1, f"starting\n{line}\nstopping\n")[0] == "skipped", line
 
 
-def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
+def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys, monkeypatch):
     """Data, the timed run of step 02, its pure compute rate, the bit-exact resume check, the
-    report."""
+    report; cut short in its resume check and continued."""
     page = (REPO / "docs" / "benchmark-gpu.md").read_text()
-    assert gpu_check.main([*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--jobs", "2",
-                           "--work-dir", str(tmp_path), *SMALL]) == 0
+    argv = [*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--jobs", "2", "--work-dir",
+            str(tmp_path)]
+    # Cut short as a time limit once cut it on a GPU: in the resume check, after its reference run.
+    real_check, resume = gpu_check.resume_check, gpu_check.RESUME
+
+    def cut_short(run, c):
+        monkeypatch.setattr(gpu_check, "RESUME", resume[:1])
+        real_check(run, c)
+        raise TimeoutError("the time limit")
+
+    monkeypatch.setattr(gpu_check, "resume_check", cut_short)
+    with pytest.raises(TimeoutError):
+        gpu_check.main([*argv, *SMALL])
+    cut = json.loads((tmp_path / "results.json").read_text())
+    assert "so far" in cut["verdict"] and "1 resume check not run yet" in cut["verdict"], cut
+    # Continued (a row left out of results.json is run too): the timed run is kept, and the resume
+    # check runs from the start (the reference run it had written is not in its way).
+    monkeypatch.setattr(gpu_check, "resume_check", real_check)
+    monkeypatch.setattr(gpu_check, "RESUME", resume)
+    del cut["runs"][1:]
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    assert gpu_check.main([*argv, "--continue-from", str(tmp_path / "cut.json"), *SMALL]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     ran, fp16, bf16, emulated = results["runs"]
+    assert ran == {**cut["runs"][0], "resume": "equal", "resume_due": False}, ran
+    assert "`, then `bash scripts/gpu_check.sh" in results["command"]
+    assert "gpu_check: passed (1 ok, 0 failed, 3 skipped" in capsys.readouterr().out
     assert ran["outcome"] == "ok" and ran["test_acc"] >= 0.15 and ran["precision"] == "off", ran
-    # 2 epochs == 1 epoch, stop, --resume auto, 1 epoch: the same weights
-    assert ran["resume"] == "equal", ran
     assert (ran["images_per_sec"] > 0 and ran["compute_images_per_sec"] > 0
             and ran["peak_memory_mb"] > 0), ran
     # its DataLoader alone, with 2 workers (and more where there are the cores)
@@ -272,8 +293,10 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
             and "for a GPU" in fp16["why"]), (fp16, bf16)
     assert (emulated["run"] == "02 --amp bf16 where emulated"
             and "this path is for a GPU" in emulated["why"]), emulated
+    # the timed run, the cut reference run, then the whole resume check: 2 epochs == 1 epoch,
+    # stop, --resume auto, 1 epoch
     log = (tmp_path / "runs" / "02-auto" / "log.txt").read_text()
-    assert log.count("$ python 02_cifar10_gpu.py") == 4 and "resumed from epoch 1" in log
+    assert log.count("$ python 02_cifar10_gpu.py") == 5 and "resumed from epoch 1" in log, log
     report = (tmp_path / "benchmark-gpu.md").read_text()
     assert (report.startswith(page.split("## Results")[0])
             and "CPU (rehearsal: not GPU figures)" in report)
@@ -281,22 +304,6 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys):
     assert re.search(row, report, re.M), report
     # a rehearsal never writes the docs
     assert (REPO / "docs" / "benchmark-gpu.md").read_text() == page
-    # A check cut short, continued: its ok rows are kept (no timed run starts again), the rest are
-    # run, and a resume check it had not finished runs again from the start (what its runs had
-    # written is not in its way: on a GPU, a reference run cut short once failed it).
-    cut = json.loads(json.dumps(results))
-    del cut["runs"][1]
-    cut["runs"][0].update(resume=None, resume_due=True)
-    (tmp_path / "cut.json").write_text(json.dumps(cut))
-    assert gpu_check.main([*REHEARSAL, "--steps", "02", "--continue-from",
-                           str(tmp_path / "cut.json"), "--work-dir", str(tmp_path), *SMALL]) == 0
-    continued = json.loads((tmp_path / "results.json").read_text())
-    assert [r["run"] for r in continued["runs"]] == [r["run"] for r in (ran, fp16, bf16, emulated)]
-    assert continued["runs"][0] == ran and continued["loader"] == results["loader"]
-    again = (tmp_path / "runs" / "02-auto" / "log.txt").read_text()
-    assert again.startswith(log) and again.count("$ python 02_cifar10_gpu.py") == 7, again
-    assert "`, then `bash scripts/gpu_check.sh" in continued["command"]
-    assert "gpu_check: passed (1 ok, 0 failed, 3 skipped" in capsys.readouterr().out
     # The resume runs' fixed kernels: every python on their PYTHONPATH turns them on.
     # fixed kernels, though every step asks cuDNN to time them
     code = ("import torch; torch.backends.cudnn.benchmark = True; "
