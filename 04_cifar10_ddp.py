@@ -286,6 +286,5 @@ def be_a_group_of_one():
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -454,6 +454,5 @@ def apex_refusal(why_not):
             "drop those, or use --amp-backend torch")
 
 
-
 if __name__ == "__main__":
     sys.exit(main())
