@@ -388,8 +388,8 @@ def report(rows, planned, c):
               for outcome in ("ok", "failed", "skipped")}
     # a check cut short: runs not started, or a timed run's resume check not run yet
     due = sum(bool(r.get("resume_due")) for r in rows)
-    left = [f"{len(rows)} of {planned} runs"] if len(rows) < planned else []
-    left += [f"{due} resume check{'s' * (due > 1)} not run yet"] if due else []
+    left = [f"{len(rows)} of {planned} runs done"] if len(rows) < planned else []
+    left += [f"{due} resume check{'s' * (due > 1)} still due"] if due else []
     verdict = ("FAILED: " + "; ".join(failed) if failed else "passed") + (
         f" so far, {', '.join(left)}" if left else "")
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "device": c.name, "failed": failed,
@@ -562,6 +562,7 @@ def main(argv=None):
     for run in (r for r in runs if not r.path):
         if run.label in kept:  # --continue-from: measured; its resume check may be due
             if run.resume and kept[run.label]["resume"] is None:
+                kept[run.label]["resume_due"] = True  # a results.json written before the key
                 due.append((run, kept[run.label]))
             continue
         row, resume = check(run, c)

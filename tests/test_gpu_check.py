@@ -129,7 +129,7 @@ def test_a_check_cut_short_says_so_until_every_resume_check_has_run(tmp_path):
         loader_against=None, planned=["02", "03"]))
     row = {"run": "02", "outcome": "ok", "why": None, "resume": None, "resume_due": True}
     assert gpu_check.report([row], 2, c)["verdict"] == (
-        "passed so far, 1 of 2 runs, 1 resume check not run yet")
+        "passed so far, 1 of 2 runs done, 1 resume check still due")
     row.update(resume="equal", resume_due=False)
     assert gpu_check.report([row], 1, c)["verdict"] == "passed"
     assert "**passed** (1 ok, 0 failed, 0 skipped" in (tmp_path / "page.md").read_text()
@@ -258,11 +258,12 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys, monkeypat
     page = (REPO / "docs" / "benchmark-gpu.md").read_text()
     argv = [*REHEARSAL, "--steps", "02", "--min-acc", "0.15", "--jobs", "2", "--work-dir",
             str(tmp_path)]
-    # Cut short as a time limit once cut it on a GPU: in the resume check, after its reference run.
+    # Cut short as a time limit once cut it on a GPU: in the resume check, after its reference run
+    # and the stopped one, each of which left a checkpoint in its folder.
     real_check, resume = gpu_check.resume_check, gpu_check.RESUME
 
     def cut_short(run, c):
-        monkeypatch.setattr(gpu_check, "RESUME", resume[:1])
+        monkeypatch.setattr(gpu_check, "RESUME", resume[:2])
         real_check(run, c)
         raise TimeoutError("the time limit")
 
@@ -270,14 +271,19 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys, monkeypat
     with pytest.raises(TimeoutError):
         gpu_check.main([*argv, *SMALL])
     cut = json.loads((tmp_path / "results.json").read_text())
-    assert "so far" in cut["verdict"] and "1 resume check not run yet" in cut["verdict"], cut
-    # Continued (a row left out of results.json is run too): the timed run is kept, and the resume
-    # check runs from the start (the reference run it had written is not in its way).
+    assert "so far" in cut["verdict"] and "1 resume check still due" in cut["verdict"], cut
+    # Continued, from a results.json without the resume_due key (as written before it existed; a
+    # row left out is run too): the timed run is kept, the verdict says the resume check is due
+    # until it has run, and it runs from the start (what the cut runs wrote is not in its way).
     monkeypatch.setattr(gpu_check, "resume_check", real_check)
     monkeypatch.setattr(gpu_check, "RESUME", resume)
-    del cut["runs"][1:]
+    del cut["runs"][1:], cut["runs"][0]["resume_due"]
     (tmp_path / "cut.json").write_text(json.dumps(cut))
+    verdicts, report = [], gpu_check.report
+    monkeypatch.setattr(gpu_check, "report",
+                        lambda *a: verdicts.append(report(*a)["verdict"]) or report(*a))
     assert gpu_check.main([*argv, "--continue-from", str(tmp_path / "cut.json"), *SMALL]) == 0
+    assert verdicts[0] == "passed so far, 2 of 4 runs done, 1 resume check still due", verdicts
     results = json.loads((tmp_path / "results.json").read_text())
     ran, fp16, bf16, emulated = results["runs"]
     assert ran == {**cut["runs"][0], "resume": "equal", "resume_due": False}, ran
@@ -293,10 +299,10 @@ def test_a_rehearsal_on_the_cpu_runs_the_whole_check(tmp_path, capsys, monkeypat
             and "for a GPU" in fp16["why"]), (fp16, bf16)
     assert (emulated["run"] == "02 --amp bf16 where emulated"
             and "this path is for a GPU" in emulated["why"]), emulated
-    # the timed run, the cut reference run, then the whole resume check: 2 epochs == 1 epoch,
-    # stop, --resume auto, 1 epoch
+    # the timed run, the cut reference and stopped runs, then the whole resume check: 2 epochs ==
+    # 1 epoch, stop, --resume auto, 1 epoch
     log = (tmp_path / "runs" / "02-auto" / "log.txt").read_text()
-    assert log.count("$ python 02_cifar10_gpu.py") == 5 and "resumed from epoch 1" in log, log
+    assert log.count("$ python 02_cifar10_gpu.py") == 6 and "resumed from epoch 1" in log, log
     report = (tmp_path / "benchmark-gpu.md").read_text()
     assert (report.startswith(page.split("## Results")[0])
             and "CPU (rehearsal: not GPU figures)" in report)
