@@ -152,9 +152,11 @@ def prepare_model(args, model, device, amp_dtype):
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, 0)  # collective
     # FSDP: the ranks as --replicate rows of shards: a unit gathers its weights and reduce-scatters
-    # its gradients within a row (a machine), and rows all-reduce their gradient shards (HSDP).
+    # its gradients within a row (a machine), and rows all-reduce their gradient shards (HSDP). One
+    # row is plain FSDP, on the row alone (a 2-D mesh would all-reduce each unit over one rank).
     shape = (args.replicate, dist.get_world_size() // args.replicate)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))  # collective
+    mesh = mesh if args.replicate > 1 else mesh["shard"]
     # FSDP: units gather and compute in amp_dtype, reduce in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     # FSDP: batch norm, units of its own: fp32 weights beside fp32 statistics, as kernels take them.

@@ -232,6 +232,8 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
     logits.sum().backward()
     assert all(p.grad is not None and p.dtype == fp32 for p in model.parameters()), (
         "fp32 shards for the optimizer")
+    # one row (--replicate 1) is plain FSDP: a 2-D mesh would all-reduce each unit over one rank
+    assert {p.device_mesh.ndim for p in model.parameters()} == {1}
 
 
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
