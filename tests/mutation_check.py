@@ -159,6 +159,8 @@ MUTANTS = [
     Mutant(8, "--replicate ignored: one row of all ranks",
            r"shape = \(args\.replicate, dist\.get_world_size\(\) // args\.replicate\)",
            "shape = (1, dist.get_world_size())"),
+    Mutant(8, "one row kept a 2-D mesh (every unit all-reduces over one rank)",
+           r'mesh = mesh if args\.replicate > 1 else mesh\["shard"\]', "mesh = mesh"),
     Mutant(8, "the last save never finished (its folder stays .tmp)",
            r"^\s+finish_save\(in_flight\)\n(\s+log\.finish)", r"\1"),
     Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
