@@ -153,7 +153,7 @@ def prepare_model(args, model, device, amp_dtype):
         dist.broadcast(tensor, 0)  # collective
     # FSDP: the ranks as --replicate rows of shards: a unit gathers its weights and reduce-scatters
     # its gradients within a row (a machine), and rows all-reduce their gradient shards (HSDP). One
-    # row is plain FSDP, on the row alone (a 2-D mesh would all-reduce each unit over one rank).
+    # row is plain FSDP on a 1-D mesh (on a 2-D one, each unit would all-reduce over one rank).
     shape = (args.replicate, dist.get_world_size() // args.replicate)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))  # collective
     mesh = mesh if args.replicate > 1 else mesh["shard"]
