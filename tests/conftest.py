@@ -160,7 +160,7 @@ SLOW_TESTS = {
 # come last.
 WEIGHT = {"test_preemption": 142, "test_learning_curves": 120, "test_debugging": 98,
           "test_05_deepspeed": 85, "test_08_fsdp": 85, "test_bad_input": 85,
-          "test_default_model": 81, "test_slurm": 75, "test_template": 71, "test_steps_01_04": 57,
+          "test_default_model": 81, "test_slurm": 75, "test_template": 90, "test_steps_01_04": 57,
           "test_fault_tolerance": 47, "test_07_apex": 47, "test_benchmark": 46, "test_exit": 41,
           "test_gpu_check": 31, "test_06_horovod": 29, "test_checkpoint": 10, "test_data": 8,
           "test_readme": 8, "test_gpu_paths": 3, "test_style": 1, "test_steps_in_line": 1,

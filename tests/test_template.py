@@ -6,7 +6,8 @@ an epoch is short, a single pass of 11 images) and 257 test images. The user's m
 ConvNet whose blocks (convolution, batch norm, ReLU, pooling) sit in an nn.ModuleList, and a linear
 head; their build_model draws each rank's initial weights from a seed of its own, so a step that
 does not start every rank from rank 0's weights trains replicas (or slices) of different models.
-Nothing else of a copy changes, and the copies of 04 (torchrun), 05 (the deepspeed launcher) and 08
+Nothing else of a copy changes (the user imports what their code needs: torchvision, and torch.nn
+where the step does not). The copies of 04 (torchrun), 05 (the deepspeed launcher) and 08
 (torchrun), on 2 processes each:
 
 * learn (test accuracy far above chance after 2 epochs), train every image once per epoch
@@ -20,7 +21,12 @@ Nothing else of a copy changes, and the copies of 04 (torchrun), 05 (the deepspe
   stage 2 from ds_config.json), where its own uninterrupted run ends: the user's float batches go
   in the engine's precision. (05 in fp32 is held to 04's bits in tests/test_preemption.py.)
 
-Eight launches in all. torchvision's constructors fit ARCHS as they are (checked in this process).
+The copies of every other step, each run once for 2 epochs in fp32 (NCHW), learn in the same way
+and end bit for bit where their neighbour's copy does: 01, 02 and 03 (one process each) where 01's
+copy does; 06 (horovodrun) and 07 (torch.distributed.launch), on 2 processes, where 04's copy does.
+
+Thirteen launches in all. torchvision's constructors fit ARCHS as they are (checked in this
+process).
 """
 import re
 import runpy
@@ -80,12 +86,16 @@ def build_model(args, info):
     return ARCHS[args.arch](num_classes=info.num_classes)
 '''
 # Import torchvision after common, as the README says.
-USER_IMPORT = "import torchvision"
+USER_IMPORTS = ["import torchvision"]
+# ... and nn, for their ConvNet, where the step does not import it already (01, 02).
+NN = "import torch.nn as nn"
 # The copies: (file name, launcher)
-JOBS = {4: ("my_ddp", "torchrun"), 5: ("my_deepspeed", "deepspeed"), 8: ("my_fsdp", "torchrun")}
-# 2 processes x 16 images x 2 passes per optimizer step: 491 images per rank, 16 optimizer steps
-# per epoch, the last of them one pass of 11 images.
-STEPS = 16
+JOBS = {1: ("my_cpu", "python"), 2: ("my_gpu", "python"), 3: ("my_dataparallel", "python"),
+        4: ("my_ddp", "torchrun"), 5: ("my_deepspeed", "deepspeed"),
+        6: ("my_horovod", "horovodrun"), 7: ("my_apex", "legacy"), 8: ("my_fsdp", "torchrun")}
+# 16 images x 2 passes per optimizer step. On 2 processes: 491 images per rank, 16 optimizer steps
+# per epoch, the last of them one pass of 11 images; on 1: 31 steps, the last of 22 images.
+STEPS = {1: 31, 2: 16}
 SMALL = ["--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--workers", "0"]
 # fp32, NCHW: 04's bits
 EXACT = [*SMALL, "--amp", "off", "--no-channels-last"]
@@ -127,6 +137,11 @@ def test_our_models_take_uint8_images_and_refuse_float_ones_in_one_line():
         model(torch.rand(2, 3, 32, 32))
 
 
+def user_imports(step_source):
+    """The import lines the user's code needs that the step has not."""
+    return [*USER_IMPORTS, *([NN] if f"\n{NN}\n" not in step_source else [])]
+
+
 def copy_as_template(number, folder):
     """The copy a user makes: the step and common/ (05: and ds_config.json, which its README command
     names), then build_data, ARCHS and build_model of their own, and torchvision imported."""
@@ -140,8 +155,8 @@ def copy_as_template(number, folder):
     functions, models = seam(source)
     source = source.replace(functions, "\n" + USER_DATA + "\n\n").replace(
         models, "\n" + USER_MODEL + "\n\n")
-    source = re.sub(r"(\nfrom common\.cli import [^\n]*\n)", rf"\1{USER_IMPORT}\n", source,
-                    count=1)
+    imports = "".join(f"{line}\n" for line in user_imports(source))
+    source = re.sub(r"(\nfrom common\.cli import [^\n]*\n)", rf"\1{imports}", source, count=1)
     (folder / f"{name}.py").write_text(source)
     return folder / f"{name}.py"
 
@@ -173,7 +188,7 @@ def launch(number, jobs, user_data, out, *flags):
     `deepspeed -q ... --deepspeed_config ds_config.json`, DS_ACCELERATOR=cpu), its own folder on
     PYTHONPATH (its common/)."""
     target = jobs[number]
-    command = launch_command(JOBS[number][1], 2, number)
+    command = launch_command(JOBS[number][1], processes(number), number)
     command[command.index(script(number))] = target
     extra = {}
     if number == 5:
@@ -184,19 +199,25 @@ def launch(number, jobs, user_data, out, *flags):
                PYTHONPATH=target.parent, **extra)
 
 
-def assert_learned_every_image(out, name, output):
+def processes(number):
+    """01-03 run as one process, the others on 2."""
+    return 1 if JOBS[number][1] == "python" else 2
+
+
+def assert_learned_every_image(out, name, output, world=2):
     """The outcome of any copy's 2 epochs: labelled with its name, every training image once per
-    epoch, far above chance (1/7), the same weights on both ranks."""
-    assert f"{name}: convnet on 2 x cpu, " in output and "SYNTHETIC" not in output, output
-    assert f"{TRAIN} training images, {STEPS} steps/epoch" in output, output
+    epoch, far above chance (1/7), the same weights on every rank."""
+    where = "cpu" if world == 1 else f"{world} x cpu"
+    assert f"{name}: convnet on {where}, " in output and "SYNTHETIC" not in output, output
+    assert f"{TRAIN} training images, {STEPS[world]} steps/epoch" in output, output
     rows = metrics(out)
     assert [row["epoch"] for row in rows] == [1, 2]
-    assert [(row["images"], row["steps"]) for row in rows] == [(TRAIN, STEPS)] * 2, rows
+    assert [(row["images"], row["steps"]) for row in rows] == [(TRAIN, STEPS[world])] * 2, rows
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and rows[-1]["test_acc"] > 0.6, rows
     state = load_checkpoint(out / "checkpoint-epoch0002.pt")
     assert (state["step"], state["arch"], state["synthetic"]) == (name, "convnet", False)
     found = digests(out)
-    assert sorted(found) == [0, 1] and len(set(found.values())) == 1, found
+    assert sorted(found) == list(range(world)) and len(set(found.values())) == 1, found
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +239,9 @@ def test_a_copy_changes_only_the_users_functions_and_takes_torchvision_models(jo
         step, copy = (REPO / script(number)).read_text(), target.read_text()
         for part in seam(step):
             step = step.replace(part, "\n")
-        copy = copy.replace(USER_DATA, "").replace(USER_MODEL, "").replace(USER_IMPORT + "\n", "")
+        copy = copy.replace(USER_DATA, "").replace(USER_MODEL, "")
+        for line in user_imports(step):
+            copy = copy.replace(f"{line}\n", "", 1)
         assert copy.split() == step.split(), f"the copy of {number:02d} changed more"
     # torchvision's resnet18 as it is; the first of ARCHS is the default.
     from common import data
@@ -233,6 +256,31 @@ def test_a_copy_changes_only_the_users_functions_and_takes_torchvision_models(jo
 def test_a_copy_of_04_learns_the_users_data_from_every_image(reference):
     out, output = reference
     assert_learned_every_image(out, "my_ddp", output)
+
+
+@pytest.fixture(scope="module")
+def copy01(jobs, user_data, tmp_path_factory):
+    """01's copy in fp32 (NCHW): where the copies of 02 and 03 end on a CPU."""
+    out = tmp_path_factory.mktemp("copy01")
+    return out, launch(1, jobs, user_data, out, *EXACT).output
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 6, 7],
+                         ids=["01-cpu", "02-gpu", "03-dataparallel", "06-horovod", "07-apex"])
+def test_a_copy_of_every_other_step_learns_and_ends_where_its_neighbour_does(
+        number, jobs, user_data, request, tmp_path):
+    """Once, uninterrupted, in fp32: 01's copy learns; 02's and 03's end bit for bit where it does;
+    06's and 07's where 04's copy does (each starts every rank from rank 0's weights)."""
+    if number == 6:
+        pytest.importorskip("horovod.torch",
+                            reason="Horovod not built (scripts/install_horovod.sh)")
+    out, output = request.getfixturevalue("copy01")
+    if number != 1:
+        out = tmp_path
+        output = launch(number, jobs, user_data, out, *EXACT).output
+    assert_learned_every_image(out, JOBS[number][0], output, processes(number))
+    kin = {1: "copy01", 2: "copy01", 3: "copy01", 6: "reference", 7: "reference"}[number]
+    assert set(digests(out).values()) == set(digests(request.getfixturevalue(kin)[0]).values())
 
 
 @pytest.mark.parametrize("number", [4, 5, 8], ids=["04-ddp", "05-deepspeed", "08-fsdp"])
