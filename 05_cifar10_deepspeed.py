@@ -298,7 +298,9 @@ def main(argv=None):
     found = engine_checkpoint(args)
     progress = (0, 0, {}) if found else checkpoint.resume(args, model=model, verbose=rank == 0)
     start_epoch, global_step, part_done = progress
-    engine = build_optimizer(args, model, steps_per_epoch, amp_dtype, start_epoch * steps_per_epoch)
+    # DeepSpeed: the schedule starts after the steps done (a part-way epoch's by progress).
+    start_step = start_epoch * steps_per_epoch + sampler.steps_done(part_done.get(start_epoch + 1))
+    engine = build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step)
     if found:
         start_epoch, global_step, part_done = resume(args, engine, found, rank)  # collective
     if args.compile:

@@ -217,14 +217,14 @@ def resume(args, model, optimizer, scheduler, scaler):
     if hvd.rank() == 0:
         found = checkpoint.resume(args, model=model, optimizer=optimizer, scheduler=scheduler,
                                   scaler=scaler)
-    state = (*found, scheduler.state_dict(), scaler.state_dict())
-    epoch, global_step, part_done, schedule, scale = hvd.broadcast_object(
+    state = (*found, scheduler.state_dict(), scaler.state_dict(), bool(optimizer.state))
+    epoch, global_step, part_done, schedule, scale, momentum = hvd.broadcast_object(
         state, root_rank=0, name="resume")  # collective
     scheduler.load_state_dict(schedule)
     if scale:
         scaler.load_state_dict(scale)
-    # Horovod: then its momentum (after a step only: else a zero-gradient step) and its weights.
-    if global_step > 0:
+    # Horovod: then its momentum (if the checkpoint had any: else a zero-gradient step) and weights.
+    if momentum:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # collective
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # collective
     return epoch, global_step, part_done

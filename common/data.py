@@ -180,10 +180,16 @@ class EpochSampler(torch.utils.data.Sampler):
         Returns the steps it skips."""
         self.sampler.set_epoch(epoch)
         getattr(self.sampler.dataset, "set_epoch", lambda epoch: None)(epoch)
-        done = (min(round(part["steps"] * self.steps / part["of_steps"]), self.steps - 1)
-                if part else 0)
+        done = self.steps_done(part)
         self.skip = done * self.step_size
         return done
+
+    def steps_done(self, part):
+        """The optimizer steps of this run's arithmetic that `part` (a stopped run's row) stands
+        for: the same fraction of the epoch; 0 for none."""
+        if not part:
+            return 0
+        return min(round(part["steps"] * self.steps / part["of_steps"]), self.steps - 1)
 
     def __iter__(self):
         return itertools.islice(iter(self.sampler), self.skip, None)

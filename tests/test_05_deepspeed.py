@@ -12,11 +12,12 @@ DeepSpeed), so there are four, each serving several checks:
 * run05's out-dir as --stop-after 1 leaves it (a copy of epoch 1), resumed on 1 process: refused
   in one line (the engine's exact resumes: tests/test_preemption.py, tests/test_template.py);
 * zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
-  numbers), with a config that partitions even the small model's weights; epoch 1 of 2, 2 processes
-  x 8 images, so that step 01 continuing its export at batch 64 meets another batch arithmetic;
-* ZeRO-0 in fp32 continues zero3's exported checkpoint (weights only) to epoch 2, launched as on a
-  plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed noise, and
-  must end where 04 continuing the same file does;
+  numbers), with a config that partitions even the small model's weights; 2 processes x 8 images,
+  so that step 01 continuing its export of epoch 1 at batch 64 meets another batch arithmetic;
+  stopped part-way through epoch 2 by a SIGTERM to the deepspeed launcher;
+* ZeRO-0 in fp32 continues zero3's part-way export (weights only) to the end of epoch 2, launched
+  as on a plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed
+  noise, and must end where 04 continuing the same file does;
 * the overflow check, on 8 images (bf16 is emulated on this CPU).
 In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in
 tests/test_preemption.py and without it in tests/test_default_model.py, ZeRO 2 without it in
@@ -24,16 +25,17 @@ tests/test_learning_curves.py. (ZeRO 2 with --grad-accum reduces every pass's gr
 come: other bits, the same curve; run05 above.)
 """
 import json
+import signal
 
 import pytest
 import torch
 
 from common.checkpoint import weights_digest
 from common.cli import amp_dtype
-from helpers import (PYTHON, REPO, SMOKE, as_after_epoch, assert_01_continues_by_progress,
-                     assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
-                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run,
-                     script)
+from helpers import (EXIT_GRACE, PYTHON, REPO, SMOKE, Output, as_after_epoch,
+                     assert_01_continues_by_progress, assert_one_line_error,
+                     assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
+                     launch_command, load_checkpoint, metrics, once, run, script, start)
 
 STEP = "05_cifar10_deepspeed"
 # 2 processes x 4 images x 2 accumulated passes = 16 images per optimizer step, 20 steps per epoch
@@ -66,18 +68,33 @@ def run05(small_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3(data, tmp_path_factory):
-    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), stopped after epoch 1 of 2.
-    DeepSpeed keeps weights under 1e5 elements whole on every rank
-    (stage3_param_persistence_threshold), which is all of the small model's: the config sets 0."""
+    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), 2 epochs, stopped part-way
+    through epoch 2 by a SIGTERM to the deepspeed launcher: the export of epoch 1, and the part-way
+    export of epoch 2 (checkpoint-epoch0001-stepNNNNNN.pt). DeepSpeed keeps weights under 1e5
+    elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
+    model's: the config sets 0."""
     def make(out):
         config = json.loads((REPO / "ds_config.json").read_text())
         config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
         (out / "zero3.json").write_text(json.dumps(config))
-        proc = deepspeed(2, *data, "--epochs", "2", "--batch-size", "8", "--amp", "off",
-                         "--stop-after", "1", "--deepspeed_config", out / "zero3.json",
-                         "--out-dir", out)
-        return out, proc.output
+        launcher, *rest = launch_command("deepspeed", 2, 5)
+        job = start([launcher, "-q", *rest, *data, "--epochs", "2", "--batch-size", "8", "--amp",
+                     "off", "--deepspeed_config", out / "zero3.json", "--out-dir", out],
+                    DS_ACCELERATOR="cpu")
+        output = Output(job)
+        output.until(r"^epoch +1/2  train_loss", timeout=300)
+        job.send_signal(signal.SIGTERM)
+        output.ends_within("stopped after step", EXIT_GRACE, timeout=300)
+        output.thread.join(10)
+        return out, output.text
     return once(tmp_path_factory, "zero3", make)
+
+
+def part_way(out):
+    """The checkpoint of a run stopped part-way through its epoch 2."""
+    found = sorted(out.glob("checkpoint-epoch0001-step*.pt"))
+    assert len(found) == 1, sorted(path.name for path in out.iterdir())
+    return found[0]
 
 
 def test_zero2_trains_identical_replicas_quietly_in_the_native_precision(run05):
@@ -117,7 +134,7 @@ def test_an_engine_checkpoint_of_2_processes_is_refused_by_1_with_the_way_that_w
 
 def test_zero3_partitions_and_trains(zero3):
     out, output = zero3
-    assert "ZeRO stage 3, amp off" in output and "stopping after 1 epoch" in output
+    assert "ZeRO stage 3, amp off" in output and "stopped after step" in output
     # one warm-up epoch: well above chance already
     assert_trained(out, epochs=1, min_acc=0.4, ranks=2)
     shards = sorted(path.name for path in (out / "ds_checkpoints" / "epoch0001").iterdir())
@@ -134,15 +151,18 @@ def test_01_evaluates_the_export_to_the_logged_accuracy(zero3, data, tmp_path):
 
 
 def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data, tmp_path):
-    """ZeRO 0 in fp32 continues zero3's export (weights only, 80 steps per epoch then, 20 now of 2
-    accumulated passes) to the bits that 04 reaches from the same file: the schedule placed by
-    progress, the same step, the same accumulation. (Placed at the export's raw step count it would
-    train epoch 2 at learning rate 0, and still pass an accuracy floor.)"""
+    """ZeRO 0 in fp32 continues zero3's part-way export of epoch 2 (weights only, 80 steps per
+    epoch then, 20 now of 2 accumulated passes) to the bits that 04 reaches from the same file: the
+    rest of the epoch, the schedule placed by progress (epoch 1 and the part of epoch 2 done), the
+    same step, the same accumulation. (Placed at the export's raw step count it would train at
+    learning rate 0; placed at epoch 1's end, at other rates: both still pass an accuracy floor.)"""
     resumed = [*data, "--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off",
-               "--no-channels-last", "--resume", checkpoint_epoch(zero3[0], 1)]
+               "--no-channels-last", "--resume", part_way(zero3[0])]
     proc = deepspeed(2, *resumed, "--zero-stage", "0", "--out-dir", tmp_path / "05", quiet=False)
     run([*launch_command("torchrun", 2, 4), *resumed, "--out-dir", tmp_path / "04"])
-    assert "resumed from epoch 1 (written by 05_cifar10_deepspeed): weights only" in proc.output
+    row = load_checkpoint(part_way(zero3[0]))["metrics"]
+    assert (f"resumed from step {row['steps']} of 80 in epoch 2 (written by 05_cifar10_deepspeed): "
+            "weights only") in proc.output, proc.output
     assert "ZeRO stage 0, amp off" in proc.output
     rows = metrics(tmp_path / "05")
     assert [row["epoch"] for row in rows] == [2] and rows[0]["test_acc"] >= 0.5, rows

@@ -15,7 +15,9 @@ here: the GPU path (NCCL, fp16 + GradScaler, hvd.SyncBatchNorm).
 import shutil
 
 import pytest
+import torch
 
+from common.checkpoint import weights_digest
 from helpers import (BIN, HOROVOD_ARGS, PYTHON, SMOKE, assert_step01_evaluates_as_logged,
                      assert_trained, checkpoint_epoch, copy_checkpoint_dir, digests, free_port,
                      launch_command, load_checkpoint, metrics, run, run_together, script)
@@ -72,6 +74,21 @@ def test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on(ru
     # then 01's epoch 3
     assert [r["epoch"] for r in rows] == [2, 3] and rows[-1]["test_acc"] >= 0.5
     assert load_checkpoint(checkpoint_epoch(in01, 3))["step"] == "01_cifar10_cpu"
+
+
+def test_a_checkpoint_of_weights_only_is_continued_with_exactly_its_weights(run06, cifar_dir,
+                                                                           tmp_path):
+    """A checkpoint without optimizer state (what 05 exports), with nothing left to train: every
+    rank ends with exactly the weights in the file. (Horovod's broadcast_optimizer_state on an
+    optimizer without state first takes a step with zero gradients, which weight decay turns into
+    a change of the weights: 06 must not call it then.)"""
+    state = load_checkpoint(checkpoint_epoch(run06[0], 1))
+    torch.save({**state, "optimizer": None}, tmp_path / "checkpoint-epoch0001.pt")
+    proc = run([*launch_command("horovodrun", 2, 6), "--data-dir", cifar_dir, *SMOKE, *TRAIN,
+                "--epochs", "1", "--out-dir", tmp_path, "--resume", "auto"])
+    assert ("resumed from epoch 1 (written by 06_cifar10_horovod): weights only, momentum starts "
+            "from zero") in proc.output, proc.output
+    assert set(digests(tmp_path).values()) == {weights_digest(state["model"])}
 
 
 def test_01_evaluates_the_checkpoint_to_the_logged_accuracy(run06, cifar_dir, tmp_path):
