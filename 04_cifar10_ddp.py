@@ -219,7 +219,8 @@ def main(argv=None):
         be_a_group_of_one()
     device, amp_dtype, rank, world_size = setup(args)
     # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
-    group = dist.new_group(backend="gloo")  # collective
+    group = dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)

@@ -182,7 +182,7 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
         if images.is_floating_point():
             images = images.to(engine_dtype(engine))
         engine.set_gradient_accumulation_boundary(last_pass)
-        loss = F.cross_entropy(engine(images).float(), labels)  # collective
+        loss = F.cross_entropy(engine(images).float(), labels)  # collective (ZeRO-3)
         engine.backward(loss)  # collective
         engine.step()  # collective
         totals[0] += loss.detach() * len(labels)
@@ -211,7 +211,7 @@ def evaluate(args, engine, loader, device):
         # DeepSpeed: as in training.
         if images.is_floating_point():
             images = images.to(engine_dtype(engine))
-        logits = engine(images).float()  # collective
+        logits = engine(images).float()  # collective (ZeRO-3)
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
@@ -286,7 +286,8 @@ def main(argv=None):
         be_a_group_of_one()
     device, amp_dtype, rank, world_size = setup(args)
     # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
-    group = dist.new_group(backend="gloo")  # collective
+    group = dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     # DeepSpeed: a signal to its launcher's own process stops every rank too (the ranks watch it).
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group), watch=launcher_pid())
     train_set, test_set, info = build_data(args)

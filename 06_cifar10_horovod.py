@@ -163,7 +163,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
             loss = F.cross_entropy(model(images), labels)  # collective
         scaler.scale(loss / args.grad_accum).backward()  # collective
         if last_pass:
-            optimizer.synchronize()
+            optimizer.synchronize()  # collective
             scaler.unscale_(optimizer)
             with optimizer.skip_synchronize():
                 scaler.step(optimizer)

@@ -203,7 +203,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
         # Gradients add up over a group's passes; one optimizer step per group (fp16: if finite).
         # FSDP: each rank steps its own shards (fp16: all skip alike, see build_optimizer).
         if last_pass:
-            scaler.step(optimizer)  # collective
+            scaler.step(optimizer)  # collective (fp16)
             scaler.update()
             scheduler.step()
             optimizer.zero_grad()
@@ -262,9 +262,9 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
         os.makedirs(final + ".tmp", exist_ok=True)
         with open(os.path.join(final + ".tmp", "position.json"), "w") as f:
             f.write(position)
-    # FSDP: EVERY rank stages its shards, the position and its random state, then writes them in the
-    # background (DCP: an exact resume on any mesh) while training goes on; on `saving`, a gloo
-    # group, as async_save needs.
+    # FSDP: EVERY rank stages its shards, the position and the random state (equal on every rank:
+    # one copy kept), then writes them in the background (DCP: an exact resume on any mesh) while
+    # training goes on; on `saving`, a gloo group, as async_save needs.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "position": position,
              "rng": torch.get_rng_state()}
@@ -299,7 +299,8 @@ def make_newest(args, final, newest, writing):
         if writing.exception() is None:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(final + ".tmp", final)
-            for old in sorted(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")))[:-3]:
+            complete = glob.glob(os.path.join(glob.escape(args.out_dir), "dcp", "epoch*[0-9]"))
+            for old in sorted(complete)[:-3]:
                 shutil.rmtree(old, ignore_errors=True)
     finally:
         newest.set()
@@ -326,7 +327,7 @@ def resume(args, model, optimizer, scheduler, scaler):
                  "rng": torch.get_rng_state()}
         dcp.load(state, checkpoint_id=folder)  # collective
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # collective
+                       optim_state_dict=state["optim"])
         position = {**json.loads(state["position"]), "rng": {"torch": state["rng"]}}
         return checkpoint.resume(args, state=position, scheduler=scheduler, scaler=scaler,
                                  verbose=dist.get_rank() == 0, says=", sharded")
@@ -341,26 +342,28 @@ def resume(args, model, optimizer, scheduler, scaler):
                              scaler=scaler, verbose=dist.get_rank() == 0)
 
 
-# FSDP: the DCP folder --resume names (auto: the newest complete one in --out-dir), or "".
+# FSDP: the DCP folder --resume names (auto: the newest complete one in --out-dir/dcp; a dcp/
+# folder: its newest), or "" (a file, or another folder: checkpoint.resume says what it is).
 def dcp_folder(args):
-    folder = args.resume or ""
-    if args.resume == "auto":
-        folder = max(glob.glob(os.path.join(args.out_dir, "dcp", "epoch*[0-9]")), default="")
-    return folder if os.path.isdir(folder) else ""
+    folder = os.path.join(args.out_dir, "dcp") if args.resume == "auto" else args.resume or ""
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        folder = max(glob.glob(os.path.join(glob.escape(folder), "epoch*[0-9]")), default="")
+    return folder if os.path.isfile(os.path.join(folder, ".metadata")) else ""
 
 
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    # DDP: no launcher: a group of one (below).
     if "RANK" not in os.environ:
         be_a_group_of_one()
     device, amp_dtype, rank, world_size = setup(args)
     # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
-    group = dist.new_group(backend="gloo")  # collective
+    group = dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
     # FSDP: checkpoints are written in the background, on a gloo group of their own.
-    saving = dist.new_group(backend="gloo")  # collective
+    saving = dist.new_group(backend="gloo",
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     in_flight = None
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
@@ -368,7 +371,8 @@ def main(argv=None):
     model = prepare_model(args, build_model(args, info), device, amp_dtype)
     steps_per_epoch = sampler.steps
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler,
+                                                 scaler)  # collective
     # --compile: the compiled model shares the weights; checkpoints save `model`.
     train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
@@ -390,7 +394,7 @@ def main(argv=None):
         # FSDP: every rank saves its shards, in the background, once the save before is done.
         finish_save(in_flight)
         in_flight = save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler,
-                                    row, info, saving)
+                                    row, info, saving)  # collective
         last = epoch, global_step, row
         log.epoch(row)
         dist.barrier()  # collective
@@ -400,10 +404,10 @@ def main(argv=None):
     # FSDP: the gathered checkpoint of the last save (if this run saved); the last save finishes;
     # every rank writes weights-rankN.sha256 of the whole model.
     if in_flight:
-        save_gathered(args, *last, model, optimizer, scheduler, scaler, info)
+        save_gathered(args, *last, model, optimizer, scheduler, scaler, info)  # collective
     finish_save(in_flight)
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
-    # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.
+    # FSDP: free the model before leaving the group, as 04 frees DDP's.
     del model, train_model
     gc.collect()
     dist.destroy_process_group()

@@ -159,10 +159,9 @@ def cifar10(data_dir, seed=0):
 
 class EpochSampler(torch.utils.data.Sampler):
     """Every index `sampler` (a DistributedSampler) gives for an epoch, in optimizer steps of
-    `step_size` indices (batch x accumulation), the last of them smaller where the shard is not a
-    multiple of it; after a stop part-way, only those after the steps done, none of which is loaded
-    (accelerate's skip_first_batches does it for a loader). set_epoch() also tells the data set
-    (ours: its crops)."""
+    `step_size` indices (batch x accumulation; the last smaller where the shard is not a multiple);
+    after a stop part-way, only those after the steps done, none of them loaded (accelerate's
+    skip_first_batches, for a loader). set_epoch() also tells the data set (ours: its crops)."""
 
     def __init__(self, sampler, step_size):
         self.sampler, self.step_size, self.skip = sampler, step_size, 0
@@ -175,9 +174,7 @@ class EpochSampler(torch.utils.data.Sampler):
                             "training images or fewer processes)")
 
     def set_epoch(self, epoch, part=None):
-        """Epoch `epoch`; `part`: the metrics row a run stopped in it saved ("steps" done of
-        "of_steps", its batch arithmetic): this run goes on after the same fraction of the epoch.
-        Returns the steps it skips."""
+        """Epoch `epoch`, after the steps `part` did (steps_done). Returns how many it skips."""
         self.sampler.set_epoch(epoch)
         getattr(self.sampler.dataset, "set_epoch", lambda epoch: None)(epoch)
         done = self.steps_done(part)
@@ -185,11 +182,10 @@ class EpochSampler(torch.utils.data.Sampler):
         return done
 
     def steps_done(self, part):
-        """The optimizer steps of this run's arithmetic that `part` (a stopped run's row) stands
-        for: the same fraction of the epoch; 0 for none."""
-        if not part:
-            return 0
-        return min(round(part["steps"] * self.steps / part["of_steps"]), self.steps - 1)
+        """The steps of this run that `part`, the metrics row a run stopped in the epoch saved
+        ("steps" done of "of_steps", its batch arithmetic), stands for: the same share of it."""
+        done = round(part["steps"] * self.steps / part["of_steps"]) if part else 0
+        return min(done, self.steps - 1)
 
     def __iter__(self):
         return itertools.islice(iter(self.sampler), self.skip, None)

@@ -124,8 +124,9 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_save_before(run08, d
     """Every process killed (SIGKILL) while its 2nd save is being written in the background (DCP's
     writes slowed by scripts/inject_fault.py slow-save): dcp/epoch0002.tmp stays unfinished and
     epoch0001 the newest complete checkpoint, with no .pt yet (08 gathers it when the run ends).
-    With only --resume auto (run08's batch, precision and epochs not typed), 08 takes the run's
-    settings from that DCP folder, passes over the .tmp and ends with run08's exact weights."""
+    With only --resume of that dcp/ folder (run08's batch, precision and epochs not typed), 08 takes
+    its newest complete checkpoint and the run's settings from it, passes over the .tmp and ends
+    with run08's exact weights. (--resume auto does the same: the reshard tests above.)"""
     job = start([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}",
                  REPO / "scripts" / "inject_fault.py", "slow-save", script(8), *data, *EPOCHS,
                  *DDP_ARGS, "--out-dir", tmp_path])
@@ -136,7 +137,7 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_save_before(run08, d
         job.wait()
     assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == ["epoch0001", "epoch0002.tmp"]
     assert not list((tmp_path / "dcp" / "epoch0002.tmp").glob("*.distcp")), "it was not writing"
-    proc = torchrun(2, 8, *data, "--out-dir", tmp_path, "--resume", "auto")
+    proc = torchrun(2, 8, *data, "--out-dir", tmp_path, "--resume", tmp_path / "dcp")
     assert "resumed from epoch 1 (written by 08_cifar10_fsdp), sharded" in proc.output, proc.output
     assert digests(tmp_path) == digests(run08[0])
     assert load_checkpoint(checkpoint_epoch(tmp_path, 2))["args"]["batch_size"] == 32

@@ -77,6 +77,8 @@ def bad_cases(tmp_path, cifar_dir):
         "resume-corrupt": (["--resume", tmp_path / "corrupt.pt"], "not a readable checkpoint"),
         "resume-foreign": (["--resume", tmp_path / "foreign.pt"],
                            "not a checkpoint of this collection"),
+        # a folder that holds no checkpoint (08 looks in it for DCP's .metadata first)
+        "resume-a-folder": (["--resume", damaged], "is a folder, not a checkpoint file"),
     }
 
 
