@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/docs_outputs.py          # every block of every page (about 5 minutes)
     .venv/bin/python tests/docs_outputs.py 04 05    # the blocks named output:04 and output:05
+    .venv/bin/python tests/docs_outputs.py learning-table   # docs/results.md's (about 3 minutes)
 
 A page marks each sample with <!-- output:NAME --> ... <!-- /output:NAME -->. Inside, every ```bash
 fence is a run: its commands run in a shell from the repository root (the last one is the run shown;
@@ -15,6 +16,7 @@ new output for that.
 """
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -92,10 +94,64 @@ def redo(body, today, cpu):
     return re.sub(old, new, body)
 
 
+# docs/results.md's learning table: its rows, each one figure for the steps it names, run with the
+# step pages' recipe (every step's command as its page shows it, the row's flags added).
+RECIPE = "--data-dir /tmp/docs-data --arch cnn --workers 0 --epochs 2"
+ONE, TWO = "--batch-size 64 --amp off", "--batch-size 32 --amp off"
+TORCHRUN = ".venv/bin/torchrun --nproc_per_node=2"
+DEEPSPEED = ("DS_ACCELERATOR=cpu .venv/bin/deepspeed -q --num_gpus {} 05_cifar10_deepspeed.py "
+             "--deepspeed_config ds_config.json")
+HOROVODRUN = ".venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python"
+LEARNING = [
+    ("01, 02, 03: 1 x 64, `--amp off`", "python",
+     [f".venv/bin/python {s} {ONE}" for s in ("01_cifar10_cpu.py", "02_cifar10_gpu.py",
+                                              "03_cifar10_dataparallel.py")]),
+    ("04, 07, 08: 2 x 32, `--amp off`", "torchrun",
+     [f"{TORCHRUN} {s} {TWO}" for s in ("04_cifar10_ddp.py", "07_cifar10_apex.py",
+                                        "08_cifar10_fsdp.py")]),
+    ("05: 2 x 32, `--amp off`, ds_config.json (ZeRO 2)", "deepspeed",
+     [f"{DEEPSPEED.format(2)} {TWO}"]),
+    ("06: 2 x 32, `--amp off`", "horovodrun", [f"{HOROVODRUN} 06_cifar10_horovod.py {TWO}"]),
+    ("05: 1 x 64, `--zero-stage 0 --amp off`", "deepspeed",
+     [f"{DEEPSPEED.format(1)} --zero-stage 0 {ONE}"]),
+    ("04: 2 x 32, `--amp bf16`", "torchrun",
+     [f"{TORCHRUN} 04_cifar10_ddp.py --batch-size 32 --amp bf16"]),
+    ("05: 2 x 32, ds_config.json as it is (ZeRO 2, bf16)", "deepspeed",
+     [f"{DEEPSPEED.format(2)} --batch-size 32 --amp bf16"]),
+]
+
+
+def learning_table():
+    """docs/results.md's learning table from new runs (a row's steps must agree to the digit)."""
+    subprocess.run(".venv/bin/python scripts/synthetic.py --data-dir /tmp/docs-data --train-size "
+                   "3000 --test-size 500", shell=True, cwd=REPO, check=True)
+    rows = ["| run | launcher | test accuracy, epoch 1 / 2 |", "|---|---|---|"]
+    for number, (row, launcher, commands) in enumerate(LEARNING):
+        found = set()
+        for i, command in enumerate(commands):
+            out = f"/tmp/docs-out/learning/{number}-{i}"
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(f"{command} {RECIPE} --out-dir {out}", shell=True, cwd=REPO, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            lines = Path(out, "metrics.jsonl").read_text().splitlines()
+            found.add(" / ".join(f"{100 * json.loads(line)['test_acc']:.1f}%" for line in lines))
+        assert len(found) == 1, (row, found)
+        rows.append(f"| {row} | {launcher} | {found.pop()} |")
+        print(rows[-1])
+    page = REPO / "docs" / "results.md"
+    table = "<!-- learning-table -->\n" + "\n".join(rows) + "\n<!-- /learning-table -->"
+    text = re.sub(r"<!-- learning-table -->.*?<!-- /learning-table -->", table,
+                  page.read_text(), flags=re.S)
+    page.write_text(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help="the blocks to redo (default: all)")
+    parser.add_argument("names", nargs="*", help="the blocks to redo (default: all), or "
+                        "learning-table (docs/results.md's)")
     args = parser.parse_args()
+    if args.names == ["learning-table"]:
+        return learning_table()
     today, cpu = datetime.date.today().isoformat(), machine()
 
     def block(m):

@@ -10,6 +10,7 @@ images, 2 epochs each): a launch each, not two. 05's command reads its learning-
 session runs that anyway (the whole suite); alone (the quick tier, or this file) it gets a 1-epoch
 launch of its own, cheaper than the learning-curve run.
 """
+import math
 import re
 
 import pytest
@@ -80,3 +81,22 @@ def test_each_step_runs_with_its_readme_command(number, tmp_path, cifar_dir, req
     assert [row["epoch"] for row in metrics(out)] == list(range(1, epochs + 1)), metrics(out)
     assert (sorted(digests(out)) == list(range(ranks))
             and len(set(digests(out).values())) == 1), digests(out)
+
+
+# A run's first line as the pages quote it: its batch arithmetic and the steps it makes of its data.
+START = re.compile(r"batch (\d+) (?:per process x (\d+) processes x |x )(\d+) accumulation[^,]*, "
+                   r"(\d+) training images, (\d+) steps/epoch")
+
+
+def test_every_quoted_start_line_counts_the_steps_as_the_code_does():
+    """A sample output written before the code changed what it prints is stale: every start line
+    quoted in the README and docs/ must count its optimizer steps as common/data.py's EpochSampler
+    does (DistributedSampler pads each shard to ceil(images / processes); every image is trained,
+    the last step may be short)."""
+    quoted = [(page.name, match) for page in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
+              for match in START.finditer(page.read_text())]
+    assert len(quoted) >= 10, "the step pages quote their runs' first lines"
+    for page, match in quoted:
+        batch, processes, accumulation, images, steps = (int(g or 1) for g in match.groups())
+        per_process = math.ceil(images / processes)
+        assert steps == math.ceil(per_process / (batch * accumulation)), (page, match[0])
