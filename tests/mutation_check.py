@@ -54,7 +54,11 @@ TESTS = {
     5: ["tests/test_05_deepspeed.py", f"{PREEMPT}[05-deepspeed]", f"{CURVES}[5]",
         "tests/test_learning_curves.py::test_zero2_in_fp32_is_step_04_bit_for_bit",
         f"{DEFAULT}[05]",
-        "tests/test_template.py::test_a_copy_of_05_trains_float_images_in_the_engines_precision"],
+        "tests/test_template.py::test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision",
+        "tests/test_template.py::test_a_copy_of_05s_engine_checkpoint_of_2_processes_is_refused_by_1_"
+        "with_the_way_that_works",
+        "tests/test_template.py::test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does"
+        "[05-deepspeed]"],
     6: ["tests/test_06_horovod.py", f"{PREEMPT}[06-horovodrun]", f"{CURVES}[6]", f"{DEFAULT}[06]"],
     7: ["tests/test_07_apex.py", f"{PREEMPT}[07-torchrun]", f"{CURVES}[7]", f"{DEFAULT}[07]",
         f"{GPU_PATHS}07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_"

@@ -35,7 +35,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import REPO, digests, launch_command, load_checkpoint, metrics, run, script
+from helpers import (PYTHON, REPO, as_after_epoch, assert_one_line_error, digests, launch_command,
+                     load_checkpoint, metrics, run, script)
 
 README = (REPO / "README.md").read_text()
 # An even count: DistributedSampler evens an odd one out by repeating an image (982 trained of 981).
@@ -300,11 +301,42 @@ def test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does(number,
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)
 
 
-def test_a_copy_of_05_trains_float_images_in_the_engines_precision(copy05):
-    """The README's command as it is: --amp auto, channels-last, ZeRO stage 2 (ds_config.json)."""
+# What 05's copy prints of its own (the rest would be DeepSpeed's noise).
+OURS05 = ("no GPU found", "my_deepspeed:", "epoch ", "resumed from", "DeepSpeed config: {")
+
+
+def test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision(copy05):
+    """The README's command as it is: --amp auto (bf16 on a CPU that computes it natively, else
+    fp32), channels-last, ZeRO stage 2 (ds_config.json), `deepspeed -q` with DS_ACCELERATOR=cpu:
+    only the script's own lines, from rank 0; an export of the fp32 master weights, whose digest
+    every rank wrote."""
+    from common.checkpoint import weights_digest
     from common.cli import amp_dtype
 
     out, output = copy05
     auto = "bf16" if amp_dtype("auto", torch.device("cpu")) else "off"
     assert f"ZeRO stage 2, amp {auto} (auto: " in output, output
     assert_learned_every_image(out, "my_deepspeed", output)
+    assert output.count("epoch   2/2") == 1, "only rank 0 logs"
+    noise = [line for line in output.splitlines() if line.strip() and not line.startswith(OURS05)]
+    assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)
+    state = load_checkpoint(out / "checkpoint-epoch0002.pt")
+    floats = {t.dtype for t in state["model"].values() if t.is_floating_point()}
+    assert state["optimizer"] is None and floats == {torch.float32}, floats
+    assert weights_digest(state["model"]) == digests(out)[0]
+    assert (out / "ds_checkpoints" / "latest").read_text().strip() == "epoch0002"
+
+
+def test_a_copy_of_05s_engine_checkpoint_of_2_processes_is_refused_by_1_with_the_way_that_works(
+        copy05, jobs, tmp_path):
+    """05's copy as --stop-after 1 would have left it, resumed on one process: DeepSpeed cannot take
+    two processes' ZeRO shards, so the line names the way that works (weights only), once."""
+    as_after_epoch(copy05[0], tmp_path, 1)
+    alone = run([PYTHON, jobs[5], "--out-dir", tmp_path,
+                 # the engine's folder: the settings come from the export beside it
+                 "--resume", tmp_path / "ds_checkpoints"],
+                check=False, DS_ACCELERATOR="cpu", PYTHONPATH=jobs[5].parent)
+    assert_one_line_error(alone, "holds the optimizer state of 2 processes, this run has 1",
+                          f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
+    assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 64), "
+                              "this one has 1 (global batch 32)") == 1, alone.output
