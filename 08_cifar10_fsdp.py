@@ -345,10 +345,10 @@ def resume(args, model, optimizer, scheduler, scaler):
 # FSDP: the DCP folder --resume names (auto: the newest complete one in --out-dir/dcp; a dcp/
 # folder: its newest), or "" (a file, or another folder: checkpoint.resume says what it is).
 def dcp_folder(args):
-    folder = os.path.join(args.out_dir, "dcp") if args.resume == "auto" else args.resume or ""
-    if not os.path.isfile(os.path.join(folder, ".metadata")):
+    folder = os.path.join(args.out_dir, "dcp") if args.resume == "auto" else args.resume
+    if folder and not os.path.isfile(os.path.join(folder, ".metadata")):
         folder = max(glob.glob(os.path.join(glob.escape(folder), "epoch*[0-9]")), default="")
-    return folder if os.path.isfile(os.path.join(folder, ".metadata")) else ""
+    return folder if folder and os.path.isfile(os.path.join(folder, ".metadata")) else ""
 
 
 @exits_cleanly
