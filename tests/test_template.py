@@ -25,8 +25,10 @@ The copies of every other step, each run once for 2 epochs in fp32 (NCHW), learn
 and end bit for bit where their neighbour's copy does: 01, 02 and 03 (one process each) where 01's
 copy does; 06 (horovodrun) and 07 (torch.distributed.launch), on 2 processes, where 04's copy does.
 
-Thirteen launches in all. torchvision's constructors fit ARCHS as they are (checked in this
-process).
+05's copy also carries the checks of the README's 05 command: only the script's own lines, an export
+of fp32 master weights whose digest every rank wrote, and its engine checkpoint refused in one line
+by one process. Fourteen launches in all. torchvision's constructors fit ARCHS as they are
+(checked in this process).
 """
 import re
 import runpy
