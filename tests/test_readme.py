@@ -10,7 +10,6 @@ images, 2 epochs each): a launch each, not two. 05's command reads its learning-
 session runs that anyway (the whole suite); alone (the quick tier, or this file) it gets a 1-epoch
 launch of its own, cheaper than the learning-curve run.
 """
-import math
 import re
 
 import pytest
@@ -90,13 +89,16 @@ START = re.compile(r"batch (\d+) (?:per process x (\d+) processes x |x )(\d+) ac
 
 def test_every_quoted_start_line_counts_the_steps_as_the_code_does():
     """A sample output written before the code changed what it prints is stale: every start line
-    quoted in the README and docs/ must count its optimizer steps as common/data.py's EpochSampler
-    does (DistributedSampler pads each shard to ceil(images / processes); every image is trained,
-    the last step may be short)."""
+    quoted in the README and docs/ must count its optimizer steps as the steps' own sampler
+    (common/data.py's EpochSampler over a DistributedSampler) counts them for that arithmetic."""
+    from torch.utils.data import DistributedSampler
+
+    from common.data import EpochSampler
+
     quoted = [(page.name, match) for page in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]
               for match in START.finditer(page.read_text())]
     assert len(quoted) >= 10, "the step pages quote their runs' first lines"
     for page, match in quoted:
         batch, processes, accumulation, images, steps = (int(g or 1) for g in match.groups())
-        per_process = math.ceil(images / processes)
-        assert steps == math.ceil(per_process / (batch * accumulation)), (page, match[0])
+        shard = DistributedSampler(range(images), num_replicas=processes, rank=0, shuffle=False)
+        assert steps == EpochSampler(shard, batch * accumulation).steps, (page, match[0])
