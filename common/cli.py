@@ -2,7 +2,6 @@
 the cores, and the error contract (one line, exit status 2, never a traceback) with an exit that
 cannot hang."""
 import argparse
-import atexit
 import contextlib
 import functools
 import gc
@@ -139,8 +138,7 @@ def exits_cleanly(main):
     """A UserError, sys.exit("message"), a missing path, a broken JSON file, and a collective that
     timed out or lost its peer become one line on stderr (every rank's, prefixed with its rank;
     under torchrun also in its error file, so that its summary shows it) and exit status 2, never a
-    traceback. Also bounds the exit, ends a script's process as soon as its main() is done
-    (end_now), and shares the cores."""
+    traceback. Also bounds the exit and shares the cores."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -168,23 +166,9 @@ def exits_cleanly(main):
             status = 130
         # What main's frames or the exception's held (a loader, a process group) goes now.
         gc.collect()
-        if main.__module__ == "__main__":
-            end_now(status)
         sys.exit(status)
 
     return wrapper
-
-
-def end_now(status):
-    """End a script whose main() returned `status`: what the interpreter's exit does first (wait
-    for other threads, run the exit handlers, preempt.py's among them; bounded as any exit is), but
-    not its teardown, which destroys every object torch made one by one (0.3-0.6 s per process
-    here) and can abort in a library's destructor."""
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(status or 0))
 
 
 def _leave(line, consequence=False):

@@ -15,9 +15,9 @@ import typing
 
 import torch
 import torch.nn.functional as F
+from torchvision.datasets import CIFAR10
 
 from .cli import UserError
-from ._torchvision import CIFAR10
 
 FOLDER = "cifar-10-batches-py"
 FILES = ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",

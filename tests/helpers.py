@@ -43,13 +43,13 @@ CURVE_STEPS = {
     1: ["--batch-size", "64", "--amp", "off"],
     2: ["--batch-size", "64", "--amp", "off"],
     3: ["--batch-size", "64", "--amp", "off"],
-    # NCHW, as 05's (test_learning_curves.py says why)
+    # 05's README command reads ds_config.json; NCHW everywhere, as 05's engine keeps it (the
+    # weights of an NHWC run round otherwise: test_learning_curves.py)
     4: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
-    # the README's command: ds_config.json
     5: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
-    6: ["--batch-size", "32", "--amp", "off"],
-    7: ["--batch-size", "32", "--amp", "off"],
-    8: ["--batch-size", "32", "--amp", "off"],
+    6: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
+    7: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
+    8: ["--batch-size", "32", "--amp", "off", "--no-channels-last"],
 }
 
 
@@ -210,6 +210,25 @@ def latest_checkpoint(out_dir):
 
 def load_checkpoint(path):
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# Where two runs sum their gradients otherwise (1 x 64 against 2 x 32, HSDP's 4 x 16, a resumed
+# epoch of the other shape), on the `data` fixture: the relative differences allowed per epoch. The
+# largest measured for 01 against 04 (2 epochs; seeds 0-2; default, AVX512_CORE and AVX2 kernels;
+# 2026-11-28): train loss 1.0e-3, test loss 2.7e-3, test accuracy equal, all at epoch 2 with AVX2;
+# at epoch 1 under 1e-3. A 04 that reuses epoch 1's order in epoch 2 (set_epoch forgotten) is off by
+# 1.2e-2, 1.7e-2 and 0.11 there; one without shuffling by 8e-2 and 2e-1 in epoch 1.
+ALIKE = {"train_loss": 4e-3, "test_loss": 6e-3}
+ALIKE_ACCURACY = 0.02
+
+
+def assert_alike(rows, reference):
+    """`rows` (metrics.jsonl's) learned as `reference` did, epoch by epoch, within ALIKE."""
+    assert [row["epoch"] for row in rows] == [row["epoch"] for row in reference], (rows, reference)
+    for row, want in zip(rows, reference):
+        for key, rel in ALIKE.items():
+            assert row[key] == pytest.approx(want[key], rel=rel), (key, row, want)
+        assert abs(row["test_acc"] - want["test_acc"]) <= ALIKE_ACCURACY, (row, want)
 
 
 def assert_trained(out_dir, epochs, min_acc=0.5, ranks=1):

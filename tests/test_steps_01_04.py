@@ -8,12 +8,10 @@ index).
 """
 import subprocess
 
-import pytest
-
 from common.checkpoint import weights_digest
-from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, SMOKE, as_after_epoch, assert_one_line_error,
-                     assert_trained, checkpoint_epoch, digests, env, free_port, load_checkpoint,
-                     metrics, run, script, torchrun)
+from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, SMOKE, as_after_epoch, assert_alike,
+                     assert_one_line_error, assert_trained, checkpoint_epoch, digests, env,
+                     free_port, load_checkpoint, metrics, run, script, torchrun)
 
 def test_01_trains_above_chance(run01):
     assert_trained(run01, epochs=2)
@@ -108,12 +106,9 @@ def test_04_torchrun_trains_identical_replicas(run04):
 
 
 def test_04_two_processes_follow_one_process_with_twice_the_batch(run01, run04):
-    """DDP averages gradients: 2 x 32 takes the same steps as 1 x 64 (up to float rounding)."""
-    single, ddp = metrics(run01), metrics(run04[0])
-    for a, b in zip(single, ddp):
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-3)
-        assert b["test_loss"] == pytest.approx(a["test_loss"], rel=2e-3)
-        assert abs(b["test_acc"] - a["test_acc"]) <= 0.02
+    """DDP averages gradients: 2 x 32 takes the same steps as 1 x 64, up to rounding (another sum:
+    helpers.ALIKE says how far it has been measured to move them, and how far a broken 04 is)."""
+    assert_alike(metrics(run04[0]), metrics(run01))
 
 
 def epoch1_digest(out_dir):
@@ -163,7 +158,4 @@ def test_checkpoints_move_between_01_and_04(tmp_path, data, run01, run04):
     torchrun(2, 4, *data, *EPOCHS, *DDP_ARGS, "--out-dir", in04,
              "--resume", checkpoint_epoch(run01, 1))
     for out in (in01, in04):
-        rows = metrics(out)
-        assert [r["epoch"] for r in rows] == [2]
-        assert rows[0]["train_loss"] == pytest.approx(metrics(run01)[1]["train_loss"], rel=2e-3)
-        assert rows[0]["test_acc"] > 0.5
+        assert_alike(metrics(out), metrics(run01)[1:])

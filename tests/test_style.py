@@ -95,3 +95,15 @@ def test_the_suites_own_lists_name_tests_and_files_that_exist():
              for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
     assert conftest.SLOW_FILES <= files and set(conftest.WEIGHT) <= files
     assert conftest.SLOW_TESTS <= names, sorted(conftest.SLOW_TESTS - names)
+
+
+def test_nothing_in_the_product_exists_for_the_suites_speed():
+    """What a user copies (the steps and common/) does nothing at import but define names and import
+    torchvision, and ends through public means: no frozen garbage collector, no stand-in modules,
+    no private exit machinery. The suite's speed-ups live in tests/harness/."""
+    banned = re.compile(r"gc\.freeze|sys\.modules|threading\._shutdown|atexit\._run_exitfuncs")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in [*REPO.glob("0[1-9]_cifar10_*.py"), *REPO.glob("common/*.py")]
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if banned.search(line)]
+    assert not found, "\n".join(found)
