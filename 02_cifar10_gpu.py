@@ -43,7 +43,7 @@ def setup(args):
 
 
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    """(train set, test set, data.Info): map-style data sets of (input, label). Yours: README."""
     data.download(args.data_dir)
     return data.cifar10(args.data_dir, seed=args.seed)
 
@@ -52,7 +52,7 @@ def build_loaders(args, train_set, test_set):
     # A new order of the whole set each epoch, from (seed, epoch) alone: the sampler that step 04
     # splits across processes, here with one. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
-    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
+    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum, args.drop_last)
     # GPU: batches in page-locked memory copy to the GPU without blocking the process.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -88,17 +88,16 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
-    # The loss sum and the image count stay on the device: no wait for them per step.
+    # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for step, (images, labels) in enumerate(loader):
+    for step, (inputs, labels) in enumerate(loader):
         meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(inputs), labels)
         # Gradients add up over a group's passes; one optimizer step per group (fp16: if finite).
         scaler.scale(loss / args.grad_accum).backward()
         if last_pass:
@@ -119,13 +118,12 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for images, labels in loader:
+    for inputs, labels in loader:
         # GPU: as in training.
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images).float()
+            logits = model(inputs).float()
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)

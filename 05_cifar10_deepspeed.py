@@ -1,7 +1,7 @@
 """Step 05: DeepSpeed: one engine owns optimizer, precision and accumulation; ZeRO shards the state.
 
 What changes from step 04: deepspeed.initialize builds an engine around the model from its config
-and the command line; the loop calls engine(images), engine.backward(loss), engine.step(). ZeRO 1
+and the command line; the loop calls engine(inputs), engine.backward(loss), engine.step(). ZeRO 1
 shards the optimizer state, 2 also the gradients, 3 also the weights; each rank saves its shard.
 
     deepspeed --num_gpus 4 05_cifar10_deepspeed.py --deepspeed_config ds_config.json --zero-stage 3
@@ -92,7 +92,7 @@ def stop_agreement(group):
 
 
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    """(train set, test set, data.Info): map-style data sets of (input, label). Yours: README."""
     # DDP: one process per machine downloads; the others wait for it at the barrier.
     if args.local_rank == 0:
         data.download(args.data_dir)
@@ -104,7 +104,7 @@ def build_loaders(args, train_set, test_set):
     # DDP: each rank trains a disjoint shard of one random order of the whole set per epoch, from
     # (seed, epoch) alone. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
+    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum, args.drop_last)
     # GPU: batches in page-locked memory copy to the GPU without blocking the process.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -167,22 +167,22 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):
 # DeepSpeed: the engine in place of model, optimizer, scheduler and scaler; it casts (no autocast).
 def train_one_epoch(args, engine, loader, device, stop, meter):
     engine.train()
-    # The loss sum and the image count stay on the device: no wait for them per step.
+    # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for step, (images, labels) in enumerate(loader):
+    for step, (inputs, labels) in enumerate(loader):
         meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
-        # DeepSpeed: float batches in the engine's precision (uint8 ones: our models cast them).
+        # DeepSpeed: float batches in the engine's precision (bf16 keeps 3 significant digits:
+        # normalise raw features first); integer ones (our uint8 images, token ids) as they are.
         # The engine's group ends where ours does (an epoch's last group may be shorter); on its
         # last pass it averages, clips, steps and zeroes.
-        if images.is_floating_point():
-            images = images.to(engine_dtype(engine))
+        if inputs.is_floating_point():
+            inputs = inputs.to(engine_dtype(engine))
         engine.set_gradient_accumulation_boundary(last_pass)
-        loss = F.cross_entropy(engine(images).float(), labels)  # collective (ZeRO-3)
+        loss = F.cross_entropy(engine(inputs).float(), labels)  # collective (ZeRO-3)
         engine.backward(loss)  # collective
         engine.step()  # collective
         totals[0] += loss.detach() * len(labels)
@@ -191,7 +191,7 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
         if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
-    # DDP: every rank saw other images: the sums over the ranks, and every rank's timing.
+    # DDP: every rank saw other samples: the sums over the ranks, and every rank's timing.
     dist.all_reduce(totals)  # collective
     timing = meter.timing().to(device)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # collective
@@ -203,15 +203,14 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
 def evaluate(args, engine, loader, device):
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for images, labels in loader:
+    for inputs, labels in loader:
         # GPU: as in training.
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         # DeepSpeed: as in training.
-        if images.is_floating_point():
-            images = images.to(engine_dtype(engine))
-        logits = engine(images).float()  # collective (ZeRO-3)
+        if inputs.is_floating_point():
+            inputs = inputs.to(engine_dtype(engine))
+        logits = engine(inputs).float()  # collective (ZeRO-3)
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)

@@ -81,7 +81,7 @@ def stop_agreement(flag):
 
 
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    """(train set, test set, data.Info): map-style data sets of (input, label). Yours: README."""
     # Horovod: one process per machine downloads; the others wait for it at Horovod's barrier.
     if args.local_rank == 0:
         data.download(args.data_dir)
@@ -94,12 +94,12 @@ def build_loaders(args, train_set, test_set):
     # order per epoch, from (seed, epoch) alone. A resumed epoch starts after the steps done.
     order = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True,
                                seed=args.seed)
-    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
+    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum, args.drop_last)
     # GPU: batches in page-locked memory copy to the GPU without blocking the process.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
                               pin_memory=torch.accelerator.is_available())
-    # Horovod: the test set sharded by its rank and size, without padding (no image counts twice),
+    # Horovod: the test set sharded by its rank and size, without padding (no sample counts twice),
     # in as many batches on every rank.
     batches = data.eval_batches(len(test_set), hvd.rank(), hvd.size())
     test_loader = DataLoader(test_set, batch_sampler=batches, num_workers=args.workers,
@@ -148,19 +148,18 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter):
     model.train()
-    # The loss sum and the image count stay on the device: no wait for them per step.
+    # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for step, (images, labels) in enumerate(loader):
+    for step, (inputs, labels) in enumerate(loader):
         meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         # Horovod: the forward meets the other ranks with --sync-bn; on a group's last pass backward
         # starts each gradient's allreduce, and the scaler unscales them once all have arrived.
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = F.cross_entropy(model(images), labels)  # collective
+            loss = F.cross_entropy(model(inputs), labels)  # collective
         scaler.scale(loss / args.grad_accum).backward()  # collective
         if last_pass:
             optimizer.synchronize()  # collective
@@ -187,13 +186,12 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for images, labels in loader:
+    for inputs, labels in loader:
         # GPU: as in training.
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images).float()
+            logits = model(inputs).float()
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)

@@ -138,7 +138,7 @@ def stop_agreement(group):
 
 
 def build_data(args):
-    """(train set, test set, data.Info): map-style data sets of (image, label). Yours: README."""
+    """(train set, test set, data.Info): map-style data sets of (input, label). Yours: README."""
     # DDP: one process per machine downloads; the others wait for it at the barrier.
     if args.local_rank == 0:
         data.download(args.data_dir)
@@ -150,7 +150,7 @@ def build_loaders(args, train_set, test_set):
     # DDP: each rank trains a disjoint shard of one random order of the whole set per epoch, from
     # (seed, epoch) alone. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum)
+    sampler = data.EpochSampler(order, args.batch_size * args.grad_accum, args.drop_last)
     # GPU: batches in page-locked memory copy to the GPU without blocking the process.
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                               num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -217,20 +217,19 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype, legacy_apex
 def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
                     meter, legacy_apex):
     model.train()
-    # The loss sum and the image count stay on the device: no wait for them per step.
+    # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for step, (images, labels) in enumerate(loader):
+    for step, (inputs, labels) in enumerate(loader):
         meter.batch_in_hand()
         # GPU: non_blocking lets the copy overlap with compute (the batch is in pinned memory).
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
         # DDP: the gradients are averaged across ranks on a group's last pass only (no_sync before).
-        # Each forward broadcasts rank 0's buffers (batch-norm statistics) to every replica.
+        # A forward that follows a synced backward also broadcasts rank 0's buffers (batch norm).
         with contextlib.nullcontext() if last_pass else model.no_sync():
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(images), labels)  # collective
+                loss = F.cross_entropy(model(inputs), labels)  # collective
             # Apex: the legacy loss scaling: leaving the block unscales the gradients and checks
             # them for overflow; its DDP averages them during backward.
             if legacy_apex:
@@ -260,7 +259,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
     if legacy_apex:
         for buffer in model.module.buffers():
             dist.broadcast(buffer, src=0)  # collective
-    # DDP: every rank saw other images: the sums over the ranks, and every rank's timing.
+    # DDP: every rank saw other samples: the sums over the ranks, and every rank's timing.
     dist.all_reduce(totals)  # collective
     timing = meter.timing().to(device)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # collective
@@ -271,13 +270,12 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
 def evaluate(args, model, loader, device, amp_dtype):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    for images, labels in loader:
+    for inputs, labels in loader:
         # GPU: as in training.
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images).float()
+            logits = model(inputs).float()
         # Apex: cast before += as in training (O1).
         totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
         totals[1] += (logits.argmax(1) == labels).sum()

@@ -30,6 +30,8 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote pr
              "NCCL communicator was aborted", "HorovodInternalError")
 CONNECT_FAILED = "connectFullMesh failed"
 TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")
+# Batch norm's refusal of a training batch of one sample.
+BATCH_OF_ONE = "Expected more than 1 value per channel when training"
 
 
 def brief(text, width=200):
@@ -99,15 +101,18 @@ def shared_parser(description, step, archs):
     parser = _Parser(description=description)
     add = parser.add_argument
     add("--data-dir", default="./data",
-        help="the data set root (CIFAR-10: the folder holding cifar-10-batches-py/, downloaded if "
-        "missing; default ./data)")
+        help="the data's folder (default ./data; for CIFAR-10 the one holding "
+        "cifar-10-batches-py/, downloaded if missing)")
     add("--out-dir", default=f"runs/{step}",
         help=f"checkpoints, metrics.jsonl, curves (default runs/{step})")
     add("--epochs", type=positive_int, default=30, help="total epochs (default 30)")
     add("--batch-size", type=positive_int, default=128,
-        help="images per pass of one process; global batch = this x processes x --grad-accum "
+        help="samples per pass of one process; global batch = this x processes x --grad-accum "
         "(default 128)")
     add("--grad-accum", type=positive_int, default=1, help="passes per optimizer step (default 1)")
+    add("--drop-last", action="store_true",
+        help="leave out each epoch's last optimizer step where it is short (default: every sample "
+        "trains every epoch)")
     add("--lr", type=positive_float, default=0.1,
         help="peak learning rate of the global batch (default 0.1)")
     add("--arch", choices=list(archs), default=next(iter(archs)),
@@ -193,6 +198,10 @@ def _other_error(error, prefix):
         cause = re.sub(r"^\[\S+:\d+\] ", "", str(error).splitlines()[0])
         return _leave(f"{prefix}error: a collective timed out ({brief(cause, 160)}): another rank "
                       "is stuck or skipped it; docs/debugging.md finds which")
+    if BATCH_OF_ONE in text:
+        return _leave(f"{prefix}error: a training batch of one sample reached a layer that needs "
+                      "more (batch norm): pass --drop-last to leave out each epoch's short last "
+                      "step, or another --batch-size")
     if type(error).__name__ == "JSONDecodeError":  # a file given to be read as JSON
         return _leave(f"{prefix}error: not valid JSON ({error}): check the JSON file you passed")
     if CONNECT_FAILED in text:

@@ -27,12 +27,24 @@ MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # per channel, 0
 
 
 class Info(typing.NamedTuple):
-    """What build_data says of its data:
-    mean, std per channel (0-1) for our models; synthetic: outputs say so."""
+    """What build_data says of its data, for build_model and the run's lines: the classes; mean and
+    std per channel (0-1) for our models; synthetic: outputs say so; the shape of one input (an
+    image's (channels, height, width), a row's (features,), a sequence's (tokens,)); what a sample
+    is called in the outputs."""
     num_classes: int
     mean: tuple = None
     std: tuple = None
     synthetic: bool = False
+    shape: tuple = None
+    unit: str = "samples"
+
+
+def layout(batch, args):
+    """The layout a batch moves to the device in: channels-last (NHWC) for a batch of images (4-D)
+    with --channels-last, else the plain one (rows of features and token ids have no channels)."""
+    if args.channels_last and batch.dim() == 4:
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 class _CIFAR10Folder(CIFAR10):
@@ -154,24 +166,30 @@ def cifar10(data_dir, seed=0):
         # scripts/synthetic.py's data says so.
         synthetic = bool(pickle.load(f, encoding="latin1").get("synthetic"))
     return (CIFAR10Tensors(*train, train=True, seed=seed), CIFAR10Tensors(*test, train=False),
-            Info(num_classes=len(CLASSES), mean=MEAN, std=STD, synthetic=synthetic))
+            Info(num_classes=len(CLASSES), mean=MEAN, std=STD, synthetic=synthetic,
+                 shape=tuple(train[0].shape[1:]), unit="images"))
 
 
 class EpochSampler(torch.utils.data.Sampler):
     """Every index `sampler` (a DistributedSampler) gives for an epoch, in optimizer steps of
-    `step_size` indices (batch x accumulation; the last smaller where the shard is not a multiple);
-    after a stop part-way, only those after the steps done, none of them loaded (accelerate's
-    skip_first_batches, for a loader). set_epoch() also tells the data set (ours: its crops)."""
+    `step_size` indices (batch x accumulation; the last smaller where the shard is not a multiple,
+    or left out with drop_last: then up to step_size - 1 samples of each shard, other ones each
+    epoch, are not trained in it); after a stop part-way, only those after the steps done, none of
+    them loaded (accelerate's skip_first_batches, for a loader). set_epoch() also tells the data
+    set (ours: its crops)."""
 
-    def __init__(self, sampler, step_size):
+    def __init__(self, sampler, step_size, drop_last=False):
         self.sampler, self.step_size, self.skip = sampler, step_size, 0
         whole, rest = divmod(len(sampler), step_size)
-        self.steps = whole + (rest > 0)
+        self.steps, self.dropped = whole + (rest > 0), 0
+        if drop_last:
+            self.steps, self.dropped = whole, rest
         if not self.steps:
             total = len(getattr(sampler, "dataset", ()))
-            raise UserError(f"no training images for this process: its shard of the {total} "
-                            "training images is empty; give every process at least one (more "
-                            "training images or fewer processes)")
+            raise UserError(f"no training step for this process: its shard of the {total} "
+                            f"training samples holds {len(sampler)}, less than one optimizer "
+                            f"step ({step_size}) with --drop-last, or none; give every process "
+                            "more (more samples, fewer processes, a smaller batch)")
 
     def set_epoch(self, epoch, part=None):
         """Epoch `epoch`, after the steps `part` did (steps_done). Returns how many it skips."""
@@ -188,10 +206,10 @@ class EpochSampler(torch.utils.data.Sampler):
         return min(done, self.steps - 1)
 
     def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip, None)
+        return itertools.islice(iter(self.sampler), self.skip, len(self.sampler) - self.dropped)
 
     def __len__(self):
-        return len(self.sampler) - self.skip
+        return len(self.sampler) - self.skip - self.dropped
 
 
 def eval_batches(size, rank, world, most=512):

@@ -56,7 +56,7 @@ class Log:
             where = device if world == 1 else f"{world} x {device.type}"
             tag = "  [SYNTHETIC DATA, not CIFAR-10]" if self.info.synthetic else ""
             print(f"{self.step}: {args.arch} on {where}, {prefix}amp {precision}, {batch}, "
-                  f"{len(loader.dataset)} training images, "
+                  f"{len(loader.dataset)} training {self.info.unit}, "
                   f"{math.ceil(len(loader) / args.grad_accum)} steps/epoch" + tag, flush=True)
 
     def epoch(self, row):
@@ -67,7 +67,7 @@ class Log:
             if not row.get("partial"):
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
-            print(epoch_line(row, self.args.epochs), flush=True)
+            print(epoch_line(row, self.args.epochs, self.info.unit), flush=True)
 
     def finish(self, model_state):
         """The training curves (rank 0), and this rank's weights-rankN.sha256:
@@ -84,7 +84,11 @@ def read(path):
     return []
 
 
-def epoch_line(row, epochs):
+# The rate's unit on an epoch's line, by what build_data calls a sample (data.Info.unit).
+RATE = {"images": "img/s"}
+
+
+def epoch_line(row, epochs, unit="images"):
     tag = "  [SYNTHETIC DATA]" if row.get("synthetic") else ""
     if row.get("partial"):
         return (f"epoch {row['epoch']:>3}/{epochs}  stopped after step "
@@ -92,7 +96,8 @@ def epoch_line(row, epochs):
                 f"(saved; no evaluation){tag}")
     return (f"epoch {row['epoch']:>3}/{epochs}  train_loss {row['train_loss']:.4f}  "
             f"test_loss {row['test_loss']:.4f}  test_acc {100 * row['test_acc']:.2f}%  "
-            f"{row['images_per_sec']:.0f} img/s  {row['epoch_seconds']:.1f} s"
+            f"{row['images_per_sec']:.0f} {RATE.get(unit, unit + '/s')}  "
+            f"{row['epoch_seconds']:.1f} s"
             f"{tag}{slowest_rank(row.get('ranks'))}")
 
 

@@ -29,7 +29,8 @@ def test_datasets_read_through_torchvision(cifar_dir):
     image, label = test[0]
     assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and 0 <= int(label) < 10
     assert (len(train) == 1280 and len(test) == 301
-            and info == data.Info(10, data.MEAN, data.STD, synthetic=True))
+            and info == data.Info(10, data.MEAN, data.STD, synthetic=True, shape=(3, 32, 32),
+                                  unit="images"))
 
 
 def test_augmentation_depends_only_on_seed_epoch_and_index(cifar_dir):
@@ -254,8 +255,20 @@ def test_a_resumed_part_way_epoch_yields_exactly_the_indices_after_the_skipped_s
     assert done == skipped and got == shard[4 * skipped:] and len(sampler) == len(got) > 0
 
 
+def test_drop_last_leaves_out_the_short_last_step_and_skips_by_whole_steps():
+    """163 samples in steps of 4 with --drop-last: 40 whole steps, the last 3 samples of the epoch's
+    order left out (other ones each epoch); resumed after 10 steps, the 30 steps after them."""
+    order = torch.utils.data.DistributedSampler(range(163), num_replicas=1, rank=0, seed=0)
+    sampler = data.EpochSampler(order, 4, drop_last=True)
+    sampler.set_epoch(1)
+    shard = list(order)
+    assert sampler.steps == 40 and list(sampler) == shard[:160] and len(sampler) == 160
+    skipped = sampler.set_epoch(1, {"steps": 10, "of_steps": 40})
+    assert skipped == 10 and list(sampler) == shard[40:160] and len(sampler) == 120
+
+
 def test_an_empty_shard_is_one_clear_error():
-    with pytest.raises(UserError, match="^no training images for this process: ") as error:
+    with pytest.raises(UserError, match="^no training step for this process: ") as error:
         data.EpochSampler(torch.utils.data.DistributedSampler(range(0), num_replicas=1, rank=0),
                           4)
     assert "\n" not in str(error.value)

@@ -36,7 +36,8 @@ PAIRS = [
     ("04_cifar10_ddp.py", "08_cifar10_fsdp.py", "FSDP:"),
 ]
 # Changed lines of the first two diffs: as short as they were.
-SHORT = {"02_cifar10_gpu.py": 38, "03_cifar10_dataparallel.py": 34}
+# 02: 40 since 01 moves inputs and labels on lines of their own (issue 61), as 02 does.
+SHORT = {"02_cifar10_gpu.py": 40, "03_cifar10_dataparallel.py": 34}
 NOT_LESSON = 0.15  # most of a method's added statements that may be something else than its lesson
 PLUMBING = "plumbing:"
 MARKERS = {step: marker for _, step, marker in PAIRS}  # a script's own lesson marker
@@ -54,7 +55,7 @@ MAX_LINES_01, MAX_NOT_LESSON_ADDED, MAX_LINES = 180, 40, 300
 # steps (+2), 08's resume of a dcp/ folder (+1) and its calls that meet labelled (+1).
 NOT_YET_WITHIN = {"05_cifar10_deepspeed.py": 389, "07_cifar10_apex.py": 459,
                   "08_cifar10_fsdp.py": 434}
-MAX_NAMES = 18  # ARCHS: resnet18, cnn, cnn_bn; cli.check_device
+MAX_NAMES = 19  # ARCHS: resnet18, cnn, cnn_bn; cli.check_device; data.layout (any shape)
 MAX_COMMON = 1600  # lines in all of common/ (at 100 columns)
 # The functions of 01, in its order: every step has them, in that order (its own ones in between).
 FUNCTIONS = ["parse_args", "setup", "build_data", "build_loaders", "build_model", "prepare_model",
@@ -72,7 +73,7 @@ COLLECTIVES = re.compile(
     r"\bdcp\.async_save\(|\boptimizer\.synchronize\(")
 # Calls that may say `collective` too: a forward that communicates (DDP's buffers, ZeRO-3's and
 # FSDP's gathers), an engine's step (ZeRO gathers the updated shards), a 2-D mesh (it makes groups).
-MAY_MEET = re.compile(r"\b(model|engine|train_model)\(images\)|\bengine\.step\(|"
+MAY_MEET = re.compile(r"\b(model|engine|train_model)\(inputs\)|\bengine\.step\(|"
                       r"\binit_device_mesh\(|"
                       r"\boptimizer\.step\(|\bscaler\.step\(")
 BACKWARD = re.compile(r"\.backward\(")
@@ -289,7 +290,7 @@ def common_names(path):
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py")))
-def test_a_reader_looks_up_at_most_18_names_of_common(path):
+def test_a_reader_looks_up_at_most_19_names_of_common(path):
     names = common_names(path)
     print(f"{path}: {len(names)} names of common/: {sorted(names)}")
     assert len(names) <= MAX_NAMES, sorted(names)

@@ -1,7 +1,7 @@
 """A step copied as the template of one's own job, as the README's "Use a step as a template" says:
 the step and the folder common/ (05: and ds_config.json), with build_data, ARCHS and build_model
 replaced by a user's own. The user's data: a torch Dataset class of their own, 1-channel 28x28
-float images in [0, 1], 7 classes, 982 training images (491 per rank: the last optimizer step of
+float images in [0, 1], 7 classes, 982 training samples (491 per rank: the last optimizer step of
 an epoch is short, a single pass of 11 images) and 257 test images. The user's model: a small
 ConvNet whose blocks (convolution, batch norm, ReLU, pooling) sit in an nn.ModuleList, and a linear
 head; their build_model draws each rank's initial weights from a seed of its own, so a step that
@@ -145,9 +145,10 @@ def user_imports(step_source):
     return [*USER_IMPORTS, *([NN] if f"\n{NN}\n" not in step_source else [])]
 
 
-def copy_as_template(number, folder):
+def copy_as_template(number, folder, user=(USER_DATA, USER_MODEL)):
     """The copy a user makes: the step and common/ (05: and ds_config.json, which its README command
-    names), then build_data, ARCHS and build_model of their own, and torchvision imported."""
+    names), then build_data, ARCHS and build_model of their own (`user`), and torchvision
+    imported."""
     name, _ = JOBS[number]
     folder.mkdir(parents=True)
     shutil.copytree(REPO / "common", folder / "common",
@@ -156,8 +157,8 @@ def copy_as_template(number, folder):
         shutil.copy(REPO / "ds_config.json", folder)
     source = (REPO / script(number)).read_text()
     functions, models = seam(source)
-    source = source.replace(functions, "\n" + USER_DATA + "\n\n").replace(
-        models, "\n" + USER_MODEL + "\n\n")
+    source = source.replace(functions, "\n" + user[0] + "\n\n").replace(
+        models, "\n" + user[1] + "\n\n")
     imports = "".join(f"{line}\n" for line in user_imports(source))
     source = re.sub(r"(\nfrom common\.cli import [^\n]*\n)", rf"\1{imports}", source, count=1)
     (folder / f"{name}.py").write_text(source)
@@ -212,7 +213,7 @@ def assert_learned_every_image(out, name, output, world=2):
     epoch, far above chance (1/7), the same weights on every rank."""
     where = "cpu" if world == 1 else f"{world} x cpu"
     assert f"{name}: convnet on {where}, " in output and "SYNTHETIC" not in output, output
-    assert f"{TRAIN} training images, {STEPS[world]} steps/epoch" in output, output
+    assert f"{TRAIN} training samples, {STEPS[world]} steps/epoch" in output, output
     rows = metrics(out)
     assert [row["epoch"] for row in rows] == [1, 2]
     assert [(row["images"], row["steps"]) for row in rows] == [(TRAIN, STEPS[world])] * 2, rows
@@ -342,3 +343,199 @@ def test_a_copy_of_05s_engine_checkpoint_of_2_processes_is_refused_by_1_with_the
                           f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
     assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 64), "
                               "this one has 1 (global batch 32)") == 1, alone.output
+
+
+# Jobs of other shapes, copied into 01 and 04-08 and run with the default flags (--amp auto: bf16
+# where the CPU computes it natively; --channels-last, which 2-D batches pass by): rows of raw
+# features (values in the hundreds) into an MLP with batch norm, and token ids (int64) into an
+# embedding. Each sizes its model from data.Info.shape.
+ROWS_DATA = '''class Rows(torch.utils.data.Dataset):
+    """My table: {"features": float [N, F], "labels": int [N]} in one file."""
+
+    def __init__(self, path):
+        saved = torch.load(path)
+        self.features, self.labels = saved["features"], saved["labels"]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.features[index], int(self.labels[index])
+
+
+def build_data(args):
+    train_set = Rows(os.path.join(args.data_dir, "train.pt"))
+    test_set = Rows(os.path.join(args.data_dir, "test.pt"))
+    return train_set, test_set, data.Info(num_classes=3, shape=train_set.features.shape[1:])
+'''
+ROWS_MODEL = '''class MLP(nn.Module):
+    def __init__(self, features, num_classes, width=32):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(features, width), nn.BatchNorm1d(width), nn.ReLU(),
+                                    nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+ARCHS = {"mlp": MLP}
+
+
+def build_model(args, info):
+    return ARCHS[args.arch](info.shape[0], info.num_classes)
+'''
+TOKENS_DATA = '''class Sequences(torch.utils.data.Dataset):
+    """My sequences: {"tokens": int64 [N, T], "labels": int [N]} in one file."""
+
+    def __init__(self, path):
+        saved = torch.load(path)
+        self.tokens, self.labels = saved["tokens"], saved["labels"]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.tokens[index], int(self.labels[index])
+
+
+def build_data(args):
+    train_set = Sequences(os.path.join(args.data_dir, "train.pt"))
+    test_set = Sequences(os.path.join(args.data_dir, "test.pt"))
+    return train_set, test_set, data.Info(num_classes=4, shape=train_set.tokens.shape[1:])
+'''
+TOKENS_MODEL = '''class TokenBag(nn.Module):
+    """Each token's embedding, then a linear head over the whole sequence."""
+
+    def __init__(self, length, num_classes, vocabulary=64, width=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.head = nn.Linear(length * width, num_classes)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).flatten(1))
+
+
+ARCHS = {"bag": TokenBag}
+
+
+def build_model(args, info):
+    return ARCHS[args.arch](info.shape[0], info.num_classes)
+'''
+# kind: (the user's data, their model, its --arch, classes)
+SHAPES = {"rows": (ROWS_DATA, ROWS_MODEL, "mlp", 3),
+          "tokens": (TOKENS_DATA, TOKENS_MODEL, "bag", 4)}
+# 196 samples per rank in batches of 16: 13 steps an epoch, the last of 4 samples (batch norm
+# takes it); one process: 25 steps, the last of 8.
+SHAPED_TRAIN, SHAPED_TEST, SHAPED_STEPS = 392, 99, {1: 25, 2: 13}
+DEFAULTS = ["--epochs", "2", "--batch-size", "16", "--workers", "0"]
+
+
+def shaped_samples(kind, count, generator):
+    """(inputs, labels) of `kind`: rows of 20 raw features around a centre per class (values in
+    the hundreds), or 12 token ids of which 6, at random places, are two of the class's own."""
+    classes = SHAPES[kind][3]
+    labels = torch.randint(0, classes, (count,), generator=generator)
+    if kind == "rows":
+        centres = torch.randn(classes, 20, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(count, 20, generator=generator)
+        return 500 + 100 * (centres[labels] + noise), labels
+    tokens = torch.randint(0, 64 - 2 * classes, (count, 12), generator=generator)
+    places = torch.rand(count, 12, generator=generator).argsort(1)[:, :6]
+    own = 64 - 2 * classes + 2 * labels[:, None] + torch.randint(0, 2, (count, 6),
+                                                                  generator=generator)
+    return tokens.scatter(1, places, own), labels
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory):
+    """{kind: ({step: its copy}, its data folder)}: the user's files and copies of 01, 04-08."""
+    root, found = tmp_path_factory.mktemp("shaped"), {}
+    for kind, (user_data_code, user_model, _, _) in SHAPES.items():
+        generator, folder = torch.Generator().manual_seed(0), root / kind / "data"
+        folder.mkdir(parents=True)
+        for split, count in (("train", SHAPED_TRAIN), ("test", SHAPED_TEST)):
+            inputs, labels = shaped_samples(kind, count, generator)
+            key = "features" if kind == "rows" else "tokens"
+            torch.save({key: inputs, "labels": labels}, folder / f"{split}.pt")
+        copies = {number: copy_as_template(number, root / kind / f"{number:02d}",
+                                           (user_data_code, user_model))
+                  for number in (1, 4, 5, 6, 7, 8)}
+        found[kind] = copies, folder
+    return found
+
+
+@pytest.fixture(scope="module")
+def shaped_runs(shaped, tmp_path_factory):
+    """runs(kind, step) -> (out-dir, output) of its copy's uninterrupted run, made once."""
+    made = {}
+
+    def runs(kind, number):
+        if (kind, number) not in made:
+            out = tmp_path_factory.mktemp(f"{kind}{number:02d}")
+            copies, folder = shaped[kind]
+            made[kind, number] = out, launch(number, copies, folder, out, *DEFAULTS,
+                                             "--arch", SHAPES[kind][2]).output
+        return made[kind, number]
+    return runs
+
+
+def assert_learned_every_sample(out, kind, name, output, world):
+    """A shaped copy's 2 epochs: every sample trained each epoch in whole steps, far above chance,
+    the same state on every rank."""
+    assert f"{SHAPED_TRAIN} training samples, {SHAPED_STEPS[world]} steps/epoch" in output, output
+    assert re.search(r"epoch +2/2 .* \d+ samples/s", output), output
+    rows = metrics(out)
+    assert [(row["images"], row["steps"]) for row in rows] == [
+        (SHAPED_TRAIN, SHAPED_STEPS[world])] * 2, rows
+    chance = 1 / SHAPES[kind][3]
+    assert rows[-1]["test_acc"] > 2 * chance and rows[-1]["train_loss"] < rows[0]["train_loss"], (
+        kind, rows)
+    assert load_checkpoint(out / "checkpoint-epoch0002.pt")["step"] == name
+    found = digests(out)
+    assert sorted(found) == list(range(world)) and len(set(found.values())) == 1, found
+
+
+@pytest.mark.parametrize("number", [1, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_a_copy_trains_rows_and_token_ids_with_the_default_flags(kind, number, shaped_runs):
+    """Rows and token ids, 2-D batches, through every step's loop with the default flags: learned
+    from every sample, equal ranks; 06's and 07's copies end where 04's does (the same loop)."""
+    if number == 6:
+        pytest.importorskip("horovod.torch",
+                            reason="Horovod not built (scripts/install_horovod.sh)")
+    out, output = shaped_runs(kind, number)
+    assert_learned_every_sample(out, kind, JOBS[number][0], output, processes(number))
+    if number in (6, 7):
+        assert digests(out) == digests(shaped_runs(kind, 4)[0])
+
+
+@pytest.mark.parametrize("number", [4, 5, 8], ids=["04-ddp", "05-deepspeed", "08-fsdp"])
+def test_a_rows_copy_stopped_and_resumed_ends_where_its_uninterrupted_run_does(
+        number, shaped, shaped_runs, tmp_path):
+    """With batch norm's running statistics, in each step's own resume path (04's .pt, 05's
+    engine checkpoint, 08's DCP), with the default flags."""
+    copies, folder = shaped["rows"]
+    flags = [*DEFAULTS, "--arch", "mlp"]
+    launch(number, copies, folder, tmp_path, *flags, "--stop-after", "1")
+    resumed = launch(number, copies, folder, tmp_path, *flags, "--resume", "auto")
+    assert f"resumed from epoch 1 (written by {JOBS[number][0]})" in resumed.output, resumed.output
+    assert digests(tmp_path) == digests(shaped_runs("rows", number)[0])
+
+
+def test_a_batch_of_one_for_batch_norm_is_one_line_naming_drop_last(shaped, tmp_path, capsys):
+    """33 rows in batches of 16: the epoch's last batch holds one row, which batch norm refuses in
+    training: one line that names --drop-last, exit 2; with --drop-last every epoch trains 32."""
+    copies, _ = shaped["rows"]
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 33), ("test", 10)):
+        features, labels = shaped_samples("rows", count, generator)
+        torch.save({"features": features, "labels": labels}, tmp_path / f"{split}.pt")
+    step = runpy.run_path(str(copies[1]), run_name="my_cpu")
+    flags = ["--data-dir", str(tmp_path), "--epochs", "1", "--batch-size", "16", "--workers", "0",
+             "--amp", "off"]
+    with pytest.raises(SystemExit) as stopped:
+        step["main"]([*flags, "--out-dir", str(tmp_path / "one")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stopped.value.code == 2 and len(errors) == 1 and "--drop-last" in errors[0], errors
+    assert step["main"]([*flags, "--drop-last", "--out-dir", str(tmp_path / "dropped")]) == 0
+    assert [(row["images"], row["steps"]) for row in metrics(tmp_path / "dropped")] == [(32, 2)]
