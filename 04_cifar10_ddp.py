@@ -202,9 +202,18 @@ def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scale
 
 
 def resume(args, model, optimizer, scheduler, scaler):
-    # DDP: every rank reads the checkpoint into its replica; rank 0 says so.
-    return checkpoint.resume(args, model=model.module, optimizer=optimizer, scheduler=scheduler,
-                             scaler=scaler, verbose=dist.get_rank() == 0)
+    # DDP: rank 0 reads the checkpoint and sends it to every rank, which loads it into its replica:
+    # no shared disk needed.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = [checkpoint.find(args) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # collective
+    progress = checkpoint.resume(args, state=found[0], model=model.module, optimizer=optimizer,
+                                 scheduler=scheduler, scaler=scaler, verbose=rank == 0)
+    # DDP: the ranks compare their epoch, step and weights; if one differs, every rank stops.
+    mine, positions = checkpoint.position(progress, model.module.state_dict()), [None] * world
+    dist.all_gather_object(positions, mine)  # collective
+    checkpoint.agree(positions)
+    return progress
 
 
 @exits_cleanly

@@ -270,8 +270,12 @@ def engine_checkpoint(args):
     return os.path.split(path) if glob.glob(os.path.join(path, "*model_states.pt")) else None
 
 
-# DeepSpeed: every rank reads its shard of the weights and optimizer state, and our position.
+# DeepSpeed: every rank reads its shard of the weights and optimizer state, and our position,
+# from the folder rank 0 chose: each must see it (its files are written per rank).
 def resume(args, engine, found, rank):
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.isdir(os.path.join(*found)))  # collective
+    checkpoint.check_seen(seen, os.path.join(*found), "DeepSpeed")
     refuse_other_process_counts(found)
     path, client = engine.load_checkpoint(*found)  # collective
     says = f", DeepSpeed checkpoint {os.path.dirname(path)}"
@@ -294,15 +298,27 @@ def main(argv=None):
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = sampler.steps
     # DeepSpeed: an engine checkpoint restores everything, into the engine; else any step's
-    # checkpoint-epochNNNN.pt gives the weights (before ZeRO shards them) and its epoch.
-    found = engine_checkpoint(args)
-    progress = (0, 0, {}) if found else checkpoint.resume(args, model=model, verbose=rank == 0)
+    # checkpoint-epochNNNN.pt gives the weights (before ZeRO shards them) and its epoch. Rank 0
+    # chooses either for every rank, and sends the .pt: no shared disk needed for that.
+    found = [engine_checkpoint(args) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # collective
+    found, progress = found[0], (0, 0, {})
+    if not found:
+        whole = [checkpoint.find(args) if rank == 0 else None]
+        dist.broadcast_object_list(whole, src=0)  # collective
+        progress = checkpoint.resume(args, state=whole[0], model=model, verbose=rank == 0)
     start_epoch, global_step, part_done = progress
     # DeepSpeed: the schedule starts after the steps done (a part-way epoch's by progress).
     start_step = start_epoch * steps_per_epoch + sampler.steps_done(part_done.get(start_epoch + 1))
     engine = build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step)
     if found:
         start_epoch, global_step, part_done = resume(args, engine, found, rank)  # collective
+    # DeepSpeed: the ranks compare their epoch, step and weights (under ZeRO-3 each holds other
+    # slices: its own); if one differs, every rank stops.
+    mine = checkpoint.position((start_epoch, global_step), engine.module.state_dict())
+    positions = [None] * world_size
+    dist.all_gather_object(positions, mine)  # collective
+    checkpoint.agree(positions)
     if args.compile:
         engine.compile()
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)

@@ -225,6 +225,9 @@ def resume(args, model, optimizer, scheduler, scaler):
     if momentum:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # collective
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # collective
+    # Horovod: the ranks compare their epoch, step and weights; if one differs, every rank stops.
+    mine = checkpoint.position((epoch, global_step), model.state_dict())
+    checkpoint.agree(hvd.allgather_object(mine, name="position"))  # collective
     return epoch, global_step, part_done
 
 

@@ -16,10 +16,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import checkpoint, data, metrics, models, preempt
@@ -52,8 +50,6 @@ def parse_args(argv=None):
     # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK): its GPU.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     parser.add_argument("--local-rank", "--local_rank", type=int, default=local_rank)
-    parser.add_argument("--spawn", type=int, default=0, metavar="N",
-                        help="no launcher: start N processes")
     parser.add_argument("--dist-timeout", type=int, default=600, metavar="SECONDS",
                         help="how long a rank waits for a missing one")
     parser.add_argument("--sync-bn", action="store_true",
@@ -330,18 +326,24 @@ def resume(args, model, optimizer, scheduler, scaler, legacy_apex):
             return
         scaler.load_state_dict(saved)
 
-    # DDP: every rank reads the checkpoint into its replica; rank 0 says so.
-    # Apex: through the two loaders above.
-    return checkpoint.resume(args, model=load_weights, optimizer=optimizer, scheduler=scheduler,
-                             scaler=load_scale, verbose=dist.get_rank() == 0)
+    # DDP: rank 0 reads the checkpoint and sends it to every rank, which loads it into its replica:
+    # no shared disk needed. Apex: through the two loaders above.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = [checkpoint.find(args) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # collective
+    progress = checkpoint.resume(args, state=found[0], model=load_weights, optimizer=optimizer,
+                                 scheduler=scheduler, scaler=load_scale, verbose=rank == 0)
+    # DDP: the ranks compare their epoch, step and weights; if one differs, every rank stops.
+    mine, positions = checkpoint.position(progress, model.module.state_dict()), [None] * world
+    dist.all_gather_object(positions, mine)  # collective
+    checkpoint.agree(positions)
+    return progress
 
 
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    # DDP: no launcher: --spawn N starts N processes (spawn, below), else a group of one.
-    if "RANK" not in os.environ and args.spawn:
-        return spawn(args, argv)
+    # DDP: no launcher: a group of one.
     if "RANK" not in os.environ:
         be_a_group_of_one()
     # Apex: setup chooses the stack; every function that differs on its path gets it.
@@ -398,24 +400,6 @@ def main(argv=None):
     dist.destroy_process_group()
     # 75 after a stop signal: a batch script requeues the job.
     return stop.exit_status()
-
-
-# DDP: --spawn N, no launcher: N processes on this machine, each running main() as a rank with
-# what a launcher would set for it (torchrun also sets one thread per process).
-def spawn(args, argv):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(get_free_port())
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // args.spawn)))
-    try:
-        return mp.spawn(run_as_rank, args=(argv, args.spawn), nprocs=args.spawn) or 0
-    except mp.ProcessExitedException as error:
-        sys.exit(f"rank {error.error_index} of {args.spawn} exited with status {error.exit_code}")
-
-
-# DDP: each spawned process is rank local_rank; its exit status is the process's.
-def run_as_rank(local_rank, argv, world_size):
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
-    sys.exit(main(argv))
 
 
 # DDP: no launcher: rank 0 of 1, at a port the OS picks (MASTER_PORT 0).

@@ -315,11 +315,15 @@ def finish_save(in_flight):
 
 def resume(args, model, optimizer, scheduler, scaler):
     # FSDP: a DCP checkpoint (auto: the newest complete one) is resharded to this number of ranks.
-    # Rank 0 chooses it for every rank: without a shared disk their views could differ.
-    folder = [dcp_folder(args) if dist.get_rank() == 0 else None]
+    # Rank 0 chooses it for every rank, and each must see its files (they are written per rank).
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = [dcp_folder(args) if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)  # collective
-    folder = folder[0]
+    folder, seen = folder[0], [None] * world
     if folder:
+        here = os.path.isfile(os.path.join(folder, ".metadata"))
+        dist.all_gather_object(seen, here)  # collective
+        checkpoint.check_seen(seen, folder, "DCP")
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "position": "",
                  "rng": torch.get_rng_state()}
@@ -327,17 +331,30 @@ def resume(args, model, optimizer, scheduler, scaler):
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         position = {**json.loads(state["position"]), "rng": {"torch": state["rng"]}}
-        return checkpoint.resume(args, state=position, scheduler=scheduler, scaler=scaler,
-                                 verbose=dist.get_rank() == 0, says=", sharded")
+        progress = checkpoint.resume(args, state=position, scheduler=scheduler, scaler=scaler,
+                                     verbose=rank == 0, says=", sharded")
+    else:
+        progress = resume_whole(args, model, optimizer, scheduler, scaler)
+    # FSDP: the ranks compare their epoch, step and whole weights; if one differs, all stop.
+    whole = get_model_state_dict(model, options=WHOLE)  # collective
+    mine, positions = checkpoint.position(progress, whole), [None] * world
+    dist.all_gather_object(positions, mine)  # collective
+    checkpoint.agree(positions)
+    return progress
 
-    # FSDP: a checkpoint-epochNNNN.pt of any step: every rank reads it whole, keeps its shards.
+
+# FSDP: a checkpoint-epochNNNN.pt of any step: rank 0 reads it and sends it to every rank, which
+# keeps its shards of it.
+def resume_whole(args, model, optimizer, scheduler, scaler):
     def load_model(whole):
         set_model_state_dict(model, whole, options=WHOLE)  # collective
     def load_optimizer(whole):
         by_name = rekeyed(whole, [name for name, _ in model.named_parameters()])
         set_optimizer_state_dict(model, optimizer, by_name, options=WHOLE)  # collective
-    return checkpoint.resume(args, model=load_model, optimizer=load_optimizer, scheduler=scheduler,
-                             scaler=scaler, verbose=dist.get_rank() == 0)
+    found = [checkpoint.find(args) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # collective
+    return checkpoint.resume(args, state=found[0], model=load_model, optimizer=load_optimizer,
+                             scheduler=scheduler, scaler=scaler, verbose=dist.get_rank() == 0)
 
 
 # FSDP: the DCP folder --resume names (auto: the newest complete one in --out-dir/dcp; a dcp/

@@ -254,15 +254,55 @@ def _find(resume, out_dir, arch, verbose):
         print(f"no checkpoint in {out_dir}: starting from scratch")
 
 
+def find(args, verbose=True):
+    """The checkpoint --resume names (auto: the newest readable one in --out-dir), loaded; {} if
+    there is none to continue. Rank 0 calls it and sends what it found to the others, whose disks
+    may hold another --out-dir or none."""
+    return _find(args.resume, args.out_dir, args.arch, verbose) or {}
+
+
+def position(progress, model_state):
+    """What every rank must hold after resume, to compare across the ranks (agree): resume()'s
+    (epochs done, optimizer steps) and a digest of the weights and buffers."""
+    return progress[0], progress[1], weights_digest(model_state)
+
+
+def agree(positions):
+    """positions: every rank's position(), in rank order (an all-gather's). One UserError, on every
+    rank, naming the ranks that differ from rank 0."""
+    other = [rank for rank, found in enumerate(positions) if found != positions[0]]
+    if other:
+        epoch, steps, _ = positions[other[0]]
+        raise UserError(f"after resume, rank(s) {', '.join(map(str, other))} hold another state "
+                        f"than rank 0 (rank {other[0]}: epoch {epoch}, step {steps}; rank 0: "
+                        f"epoch {positions[0][0]}, step {positions[0][1]}; or other weights): "
+                        "every rank must start from the checkpoint rank 0 chose "
+                        "(docs/checkpoints.md)")
+
+
+def check_seen(seen, folder, kind):
+    """seen: every rank's whether it sees `folder`, the `kind` checkpoint rank 0 chose (written as
+    files per rank). One UserError, on every rank, naming those that do not."""
+    missing = [rank for rank, found in enumerate(seen) if not found]
+    if missing:
+        raise UserError(f"rank(s) {', '.join(map(str, missing))} cannot see {folder}, the {kind} "
+                        "checkpoint rank 0 resumes: its files are written per rank and read where "
+                        "they were written, so put --out-dir on storage every machine reads, or "
+                        "copy the folder to the same path on each machine first (rsync -a, "
+                        "docs/checkpoints.md)")
+
+
 def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scaler=None,
            verbose=True, says=""):
-    """Continue what --resume names (or `state`, a checkpoint a library's own load gave): its states
+    """Continue what --resume names (or `state`: the checkpoint rank 0 found and sent, {} for none,
+    or one a library's own load gave): its states
     into the objects given (each with load_state_dict(), or a function that takes the state), and
     the RNGs; with verbose, one line says so (+ `says`). Returns (epochs done, optimizer steps done,
     {epoch: the row of a run stopped part-way in it}), or (0, 0, {}). Under other batch arithmetic a
     LambdaLR schedule goes on by progress (epochs done), not step count."""
-    state = state or _find(args.resume, args.out_dir, args.arch, verbose)
     if state is None:
+        state = find(args, verbose)
+    if not state:
         return 0, 0, {}
     row, global_step = state.get("metrics") or {}, state["global_step"]
     try:
@@ -277,28 +317,7 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
             optimizer.state[p].update({k: torch.empty_like(p, dtype=v.dtype).copy_(v)
                                        for k, v in optimizer.state[p].items() if k != "step"
                                        and torch.is_tensor(v) and v.shape == p.shape})
-        first = scheduler.lr_lambdas[0] if scheduler is not None else None
-        steps_now = getattr(first, "steps_per_epoch", None)
-        steps_then = row.get("of_steps", row.get("steps")) or (
-            global_step // state["epoch"] if state["epoch"] else None)
-        if scheduler is not None and state.get("scheduler") and steps_then in (None, steps_now):
-            scheduler.load_state_dict(state["scheduler"])
-        elif scheduler is not None:  # other batch arithmetic, or no schedule saved (05's)
-            if steps_then and steps_now and steps_then != steps_now:
-                part = (min(round(row["steps"] * steps_now / steps_then), steps_now - 1)
-                        if row.get("partial") else 0)
-                global_step, before = state["epoch"] * steps_now + part, global_step
-                # With another number of processes, settings() said it already.
-                if rank() == 0 and state.get("processes", processes()) == processes():
-                    print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this "
-                          f"run {steps_now}: the learning-rate schedule continues by progress, at "
-                          f"step {global_step} (epochs done: {state['epoch']}), not at the "
-                          f"checkpoint's step {before}")
-            scheduler.last_epoch = global_step  # where the schedule is after that many steps
-            for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                              scheduler.lr_lambdas):
-                group["lr"] = base_lr * factor(global_step)
-            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        global_step = _continue_schedule(scheduler, state, row, global_step)
     except (RuntimeError, ValueError, KeyError) as error:
         cause = brief(str(error).splitlines()[0])
         raise UserError(f"the checkpoint does not fit this model/optimizer ({cause}); check --arch "
@@ -312,6 +331,36 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
         print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}"
               + ": weights only, momentum starts from zero" * weights)
     return state["epoch"], global_step, ({row["epoch"]: row} if row.get("partial") else {})
+
+
+def _continue_schedule(scheduler, state, row, global_step):
+    """resume()'s schedule: the saved one where the batch arithmetic is the same, else placed by
+    progress (epochs done) for this run's steps per epoch. Returns the optimizer steps done."""
+    if scheduler is None:
+        return global_step
+    first = scheduler.lr_lambdas[0]
+    steps_now = getattr(first, "steps_per_epoch", None)
+    steps_then = row.get("of_steps", row.get("steps")) or (
+        global_step // state["epoch"] if state["epoch"] else None)
+    if state.get("scheduler") and steps_then in (None, steps_now):
+        scheduler.load_state_dict(state["scheduler"])
+    else:  # other batch arithmetic, or no schedule saved (05's)
+        if steps_then and steps_now and steps_then != steps_now:
+            part = (min(round(row["steps"] * steps_now / steps_then), steps_now - 1)
+                    if row.get("partial") else 0)
+            global_step, before = state["epoch"] * steps_now + part, global_step
+            # With another number of processes, settings() said it already.
+            if rank() == 0 and state.get("processes", processes()) == processes():
+                print(f"note: the checkpoint ran {steps_then} optimizer steps per epoch, this "
+                      f"run {steps_now}: the learning-rate schedule continues by progress, at "
+                      f"step {global_step} (epochs done: {state['epoch']}), not at the "
+                      f"checkpoint's step {before}")
+        scheduler.last_epoch = global_step  # where the schedule is after that many steps
+        for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                          scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(global_step)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return global_step
 
 
 class Settings(typing.NamedTuple):

@@ -136,7 +136,8 @@ def default_stop_signals():
 # marked slow here: whole files, then single tests.
 SLOW_FILES = {"test_05_deepspeed", "test_06_horovod", "test_07_apex", "test_08_fsdp",
               "test_debugging", "test_default_model", "test_fault_tolerance",
-              "test_learning_curves", "test_profile", "test_slurm", "test_steps_01_04"}
+              "test_learning_curves", "test_no_shared_disk", "test_profile", "test_slurm",
+              "test_steps_01_04"}
 SLOW_TESTS = {
     "test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly",
     "test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress",
@@ -169,11 +170,11 @@ SLOW_TESTS = {
 # come last.
 WEIGHT = {"test_preemption": 142, "test_learning_curves": 120, "test_debugging": 98,
           "test_05_deepspeed": 70, "test_08_fsdp": 85, "test_bad_input": 85,
-          "test_default_model": 81, "test_slurm": 75, "test_template": 105, "test_steps_01_04": 57,
+          "test_default_model": 81, "test_slurm": 75, "test_template": 200, "test_steps_01_04": 57,
           "test_fault_tolerance": 47, "test_07_apex": 47, "test_benchmark": 46, "test_exit": 41,
           "test_gpu_check": 31, "test_06_horovod": 29, "test_checkpoint": 10, "test_data": 8,
           "test_readme": 8, "test_gpu_paths": 3, "test_style": 1, "test_steps_in_line": 1,
-          "test_profile": 1, "test_distributed_sampler": 1}
+          "test_profile": 1, "test_distributed_sampler": 1, "test_no_shared_disk": 55}
 
 
 def pytest_collection_modifyitems(items):

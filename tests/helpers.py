@@ -181,6 +181,10 @@ def run_together(*commands, timeout=300):
     return outputs
 
 
+# A traceback frame of our code (a launcher's own traceback, torchrun's ChildFailedError, is not).
+OUR_FRAMES = re.compile(r'File "[^"]*(0\d_cifar10_\w+\.py|common/\w+\.py)", line')
+
+
 def assert_one_line_error(proc, *needles):
     """Exit status 2, no traceback, and a single `error:` line that says all of `needles`."""
     assert proc.returncode == 2, proc.output

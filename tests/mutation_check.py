@@ -52,7 +52,8 @@ TESTS = {
     4: ["tests/test_steps_01_04.py", f"{PREEMPT}[04-torchrun]",
         "tests/test_learning_curves.py::test_the_data_needs_two_epochs_at_either_shape[04-2x32]",
         "tests/test_default_model.py::test_04_learns_with_identical_replicas",
-        "tests/test_06_horovod.py::test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on"],
+        "tests/test_06_horovod.py::test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on",
+        "tests/test_no_shared_disk.py::test_a_rank_without_the_checkpoint_resumes_what_rank_0_sends"],
     5: ["tests/test_05_deepspeed.py", f"{PREEMPT}[05-deepspeed]", f"{CURVES}[5]",
         f"{DEFAULT}[05]",
         "tests/test_template.py::test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision",
@@ -87,6 +88,8 @@ MUTANTS = [
     Mutant(4, "batch-norm buffers not broadcast", r"DistributedDataParallel\(model, ",
            "DistributedDataParallel(model, broadcast_buffers=False, "),
     Mutant(4, "the schedule never steps", r"^(\s+)scheduler\.step\(\)", r"\1pass"),
+    Mutant(4, "every rank reads the checkpoint from its own disk", r"state=found\[0\], model=model",
+           "state=None, model=model"),
     Mutant(4, "the loss not divided by --grad-accum", r"scaler\.scale\(loss / args\.grad_accum\)",
            "scaler.scale(loss)"),
     # 05

@@ -15,7 +15,7 @@ import socket
 import pytest
 import torch
 
-from helpers import PYTHON, REPO, SMOKE, launch_command, run, torchrun
+from helpers import OUR_FRAMES, PYTHON, REPO, SMOKE, launch_command, run, torchrun
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[1-8]_cifar10_*.py"))
 
@@ -177,9 +177,6 @@ def test_runtime_errors_distributed_steps(name, tmp_path, cifar_dir, default_por
 LAUNCHED = {"python": ("python", 1, 1, []), "spawn": ("python", 1, 4, ["--spawn", "2"]),
             "torchrun": ("torchrun", 2, 4, []), "legacy": ("legacy", 2, 4, []),
             "deepspeed": ("deepspeed", 2, 5, []), "horovodrun": ("horovodrun", 2, 6, [])}
-OUR_FRAMES = re.compile(r'File "[^"]*(0\d_cifar10_\w+\.py|common/\w+\.py)", line')
-
-
 # One failure per launcher, each kind under a torchrun (with its Root Cause report) and two others.
 FAILURES = {"python": "offline-no-data", "spawn": "bad-checkpoint", "torchrun": "offline-no-data",
             "legacy": "bad-checkpoint", "deepspeed": "bad-checkpoint",

@@ -363,3 +363,15 @@ def test_common_has_no_import_cycle():
 
     for module in imports:
         visit(module, [])
+
+
+def test_ranks_that_resumed_another_state_or_cannot_see_the_folder_are_named_in_one_line():
+    same = checkpoint.position((1, 47), {"w": torch.ones(2)})
+    checkpoint.agree([same, same])
+    other = checkpoint.position((0, 0), {"w": torch.zeros(2)})
+    with pytest.raises(UserError, match=r"^after resume, rank\(s\) 1, 3 hold another state than "
+                                        r"rank 0 \(rank 1: epoch 0, step 0; rank 0: epoch 1, "):
+        checkpoint.agree([same, other, same, other])
+    checkpoint.check_seen([True, True], "dcp/epoch0001", "DCP")
+    with pytest.raises(UserError, match=r"^rank\(s\) 2 cannot see dcp/epoch0001, the DCP "):
+        checkpoint.check_seen([True, True, False], "dcp/epoch0001", "DCP")

@@ -53,10 +53,15 @@ MAX_LINES_01, MAX_NOT_LESSON_ADDED, MAX_LINES = 180, 40, 300
 # 458 without a stray blank line. 2026-11-27, a review's findings: the stop group (and 08's saving
 # group) bounded by --dist-timeout (+1 each, 08 +2), 05's schedule placed after a part-way .pt's
 # steps (+2), 08's resume of a dcp/ folder (+1) and its calls that meet labelled (+1).
-NOT_YET_WITHIN = {"05_cifar10_deepspeed.py": 389, "07_cifar10_apex.py": 459,
-                  "08_cifar10_fsdp.py": 434}
-MAX_NAMES = 19  # ARCHS: resnet18, cnn, cnn_bn; cli.check_device; data.layout (any shape)
-MAX_COMMON = 1600  # lines in all of common/ (at 100 columns)
+# 2026-11-28: every rank resumes what rank 0 chose (issue 62: rank 0 reads and sends the .pt, 05
+# and 08 check that every rank sees their per-rank folders, and the ranks compare epoch, step and
+# weights after resume): 05 +15, 07 +6, 08 +15; 07 without 04's --spawn (issue 60): -24.
+NOT_YET_WITHIN = {"05_cifar10_deepspeed.py": 404, "07_cifar10_apex.py": 441,
+                  "08_cifar10_fsdp.py": 449}
+# ARCHS: resnet18, cnn, cnn_bn; cli.check_device; data.layout (any shape); checkpoint.find,
+# position, agree and check_seen (a resume without a shared disk)
+MAX_NAMES = 23
+MAX_COMMON = 1700  # lines in all of common/ (at 100 columns)
 # The functions of 01, in its order: every step has them, in that order (its own ones in between).
 FUNCTIONS = ["parse_args", "setup", "build_data", "build_loaders", "build_model", "prepare_model",
              "build_optimizer", "train_one_epoch", "evaluate", "save_checkpoint", "resume", "main"]
@@ -290,7 +295,7 @@ def common_names(path):
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py")))
-def test_a_reader_looks_up_at_most_19_names_of_common(path):
+def test_a_reader_looks_up_at_most_23_names_of_common(path):
     names = common_names(path)
     print(f"{path}: {len(names)} names of common/: {sorted(names)}")
     assert len(names) <= MAX_NAMES, sorted(names)
