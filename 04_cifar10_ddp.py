@@ -234,7 +234,8 @@ def main(argv=None):
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = sampler.steps
     optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
+    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler,
+                                                 scaler)  # collective
     # --compile: the compiled model shares the weights; checkpoints save `model`.
     train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)

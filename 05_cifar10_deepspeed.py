@@ -313,9 +313,9 @@ def main(argv=None):
     engine = build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step)
     if found:
         start_epoch, global_step, part_done = resume(args, engine, found, rank)  # collective
-    # DeepSpeed: the ranks compare their epoch, step and weights (under ZeRO-3 each holds other
-    # slices: its own); if one differs, every rank stops.
-    mine = checkpoint.position((start_epoch, global_step), engine.module.state_dict())
+    # DeepSpeed: the ranks compare their epoch, step and whole weights (ZeRO gathers them); if one
+    # differs, every rank stops.
+    mine = checkpoint.position((start_epoch, global_step), full_weights(engine))  # collective
     positions = [None] * world_size
     dist.all_gather_object(positions, mine)  # collective
     checkpoint.agree(positions)

@@ -360,7 +360,7 @@ def main(argv=None):
     model, optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device,
                                                           amp_dtype, legacy_apex)
     start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler,
-                                                 legacy_apex)
+                                                 legacy_apex)  # collective
     # --compile: the compiled model shares the weights; checkpoints save `model`.
     train_model = torch.compile(model) if args.compile else model
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)

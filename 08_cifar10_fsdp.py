@@ -141,6 +141,10 @@ def units(module):
             yield child
 
 
+# FSDP: batch norm by its public classes (lazy ones subclass them); torch's common base is private.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
 # FSDP: amp_dtype for the policy (not autocast); NCHW weights (--channels-last: batches only).
 def prepare_model(args, model, device, amp_dtype):
     model = model.to(device)
@@ -160,7 +164,7 @@ def prepare_model(args, model, device, amp_dtype):
     # FSDP: units gather and compute in amp_dtype, reduce in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     # FSDP: batch norm, units of its own: fp32 weights beside fp32 statistics, as kernels take them.
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [m for m in model.modules() if isinstance(m, BATCH_NORMS)]
     for norm in norms:
         fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=amp_dtype))
     # FSDP: then a unit per block (units, above): each gathers its weights only while it computes.

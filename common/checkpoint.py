@@ -256,9 +256,13 @@ def _find(resume, out_dir, arch, verbose):
 
 def find(args, verbose=True):
     """The checkpoint --resume names (auto: the newest readable one in --out-dir), loaded; {} if
-    there is none to continue. Rank 0 calls it and sends what it found to the others, whose disks
-    may hold another --out-dir or none."""
-    return _find(args.resume, args.out_dir, args.arch, verbose) or {}
+    there is none to continue; {"error": its line} if it cannot be continued, which resume() raises
+    on every rank. Rank 0 calls it and sends what it found to the others, whose disks may hold
+    another --out-dir or none."""
+    try:
+        return _find(args.resume, args.out_dir, args.arch, verbose) or {}
+    except UserError as error:
+        return {"error": str(error)}
 
 
 def position(progress, model_state):
@@ -302,6 +306,8 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
     LambdaLR schedule goes on by progress (epochs done), not step count."""
     if state is None:
         state = find(args, verbose)
+    if "error" in state:
+        raise UserError(state["error"])
     if not state:
         return 0, 0, {}
     row, global_step = state.get("metrics") or {}, state["global_step"]

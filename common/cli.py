@@ -96,8 +96,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def shared_parser(description, step, archs):
-    """The flags every step shares (the README's "One command line for every step"); a step adds its
-    method's. archs: the script's --arch choices (the first is the default)."""
+    """The flags every step shares (docs/usage.md, "One command line for every step"); a step adds
+    its method's. archs: the script's --arch choices (the first is the default)."""
     parser = _Parser(description=description)
     add = parser.add_argument
     add("--data-dir", default="./data",
@@ -110,7 +110,7 @@ def shared_parser(description, step, archs):
         help="samples per pass of one process; global batch = this x processes x --grad-accum "
         "(default 128)")
     add("--grad-accum", type=positive_int, default=1, help="passes per optimizer step (default 1)")
-    add("--drop-last", action="store_true",
+    add("--drop-last", action=argparse.BooleanOptionalAction, default=False,
         help="leave out each epoch's last optimizer step where it is short (default: every sample "
         "trains every epoch)")
     add("--lr", type=positive_float, default=0.1,

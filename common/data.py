@@ -222,8 +222,8 @@ def eval_batches(size, rank, world, most=512):
         # With batches of 1, shards of unequal size cannot have as many batches.
         raise ValueError(f"eval_batches needs most >= 2, not {most}")
     if size < world:
-        raise UserError(f"{size} test images cannot give each of the {world} processes one: "
-                        "use more test images or fewer processes")
+        raise UserError(f"{size} test samples cannot give each of the {world} processes one: "
+                        "use more test samples or fewer processes")
     shard = range(rank, size, world)
     # The batches of the largest shard; a shard is at most one image smaller, so it fills as many.
     largest, extra = divmod(size, world)

@@ -225,7 +225,7 @@ class Meter:
         return row
 
     def row(self, totals, timing=None):
-        """The training half of the epoch's row from totals = (loss sum, images) summed over ranks
+        """The training half of the epoch's row from totals = (loss sum, samples) summed over ranks
         and `timing` gathered (None: one process), the part a stopped run saved merged in; "partial"
         if it stopped part-way."""
         self._profile_stop()

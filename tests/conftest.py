@@ -1,5 +1,6 @@
 """Fixtures: a small synthetic CIFAR-10 in the real on-disk format (see helpers.py)."""
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, HOROVOD_ARGS, SMOKE, TEST_SIZE,
-                     TRAIN_SIZE, metrics, once, readme_command, shell, synthetic)
+from helpers import (CURVE_RECIPE, CURVE_STEPS, DDP_ARGS, EPOCHS, EXIT_GRACE, HOROVOD_ARGS, REPO,
+                     SMOKE, TEST_SIZE, TRAIN_SIZE, Output, launch_command, metrics, once,
+                     readme_command, shell, start, synthetic)
 
-# Every process a test starts takes the harness's speed-ups (tests/harness/sitecustomize.py: how
+# Every process a test starts takes the harness's speed-up (tests/harness/sitecustomize.py: how
 # long a process takes, never what it computes).
 HARNESS = str(Path(__file__).parent / "harness")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HARNESS, os.environ.get("PYTHONPATH")]))
@@ -92,6 +94,30 @@ def run06(tmp_path_factory, cifar_dir):
 def run08(tmp_path_factory, data):
     """Step 08 under torchrun, 2 processes x 32 images, fp32."""
     return two_processes(tmp_path_factory, "run08", 8, *data, *EPOCHS, *DDP_ARGS, *PROFILE)
+
+
+@pytest.fixture(scope="session")
+def zero3(data, tmp_path_factory):
+    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), 2 epochs, stopped part-way
+    through epoch 2 by a SIGTERM to the deepspeed launcher: the export of epoch 1, and the part-way
+    export of epoch 2 (checkpoint-epoch0001-stepNNNNNN.pt). DeepSpeed keeps weights under 1e5
+    elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
+    model's: the config sets 0. Also tests/test_no_shared_disk.py's engine checkpoint."""
+    def make(out):
+        config = json.loads((REPO / "ds_config.json").read_text())
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        (out / "zero3.json").write_text(json.dumps(config))
+        launcher, *rest = launch_command("deepspeed", 2, 5)
+        job = start([launcher, "-q", *rest, *data, "--epochs", "2", "--batch-size", "8", "--amp",
+                     "off", "--deepspeed_config", out / "zero3.json", "--out-dir", out],
+                    DS_ACCELERATOR="cpu")
+        output = Output(job)
+        output.until(r"^epoch +1/2  train_loss", timeout=300)
+        job.send_signal(signal.SIGTERM)
+        output.ends_within("stopped after step", EXIT_GRACE, timeout=300)
+        output.thread.join(10)
+        return out, output.text
+    return once(tmp_path_factory, "zero3", make)
 
 
 # The learning-curve runs (tests/test_learning_curves.py): every step's README command with one

@@ -247,6 +247,7 @@ def check(mutant, log_dir, tests, clean=None):
         verdict = f"ERROR (pytest exit {proc.returncode})"
     elif any(test in (clean or ()) for test in failed):
         verdict = "CAUGHT"
+        failed = [test for test in failed if test in clean]
     else:
         # a test that fails without the mutant too says nothing of it
         verdict = "UNSURE"

@@ -21,14 +21,12 @@ tests/test_learning_curves.py. (ZeRO 2 with --grad-accum reduces every pass's gr
 come: other bits, the same curve; tests/test_template.py.)
 """
 import json
-import signal
 
-import pytest
 
-from helpers import (EXIT_GRACE, PYTHON, REPO, SMOKE, Output, assert_01_continues_by_progress,
+from helpers import (PYTHON, REPO, SMOKE, assert_01_continues_by_progress,
                      assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
-                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, once, run,
-                     script, start)
+                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run,
+                     script)
 
 def deepspeed(nproc, *args, quiet=True, **kw):
     """`deepspeed [-q] --num_gpus N 05_cifar10_deepspeed.py --deepspeed_config ds_config.json ARGS`
@@ -41,30 +39,6 @@ def deepspeed(nproc, *args, quiet=True, **kw):
     if quiet:
         return run(command, DS_ACCELERATOR="cpu", **kw)
     return run(["env", "-u", "DS_ACCELERATOR", *command], **kw)
-
-
-@pytest.fixture(scope="module")
-def zero3(data, tmp_path_factory):
-    """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), 2 epochs, stopped part-way
-    through epoch 2 by a SIGTERM to the deepspeed launcher: the export of epoch 1, and the part-way
-    export of epoch 2 (checkpoint-epoch0001-stepNNNNNN.pt). DeepSpeed keeps weights under 1e5
-    elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
-    model's: the config sets 0."""
-    def make(out):
-        config = json.loads((REPO / "ds_config.json").read_text())
-        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
-        (out / "zero3.json").write_text(json.dumps(config))
-        launcher, *rest = launch_command("deepspeed", 2, 5)
-        job = start([launcher, "-q", *rest, *data, "--epochs", "2", "--batch-size", "8", "--amp",
-                     "off", "--deepspeed_config", out / "zero3.json", "--out-dir", out],
-                    DS_ACCELERATOR="cpu")
-        output = Output(job)
-        output.until(r"^epoch +1/2  train_loss", timeout=300)
-        job.send_signal(signal.SIGTERM)
-        output.ends_within("stopped after step", EXIT_GRACE, timeout=300)
-        output.thread.join(10)
-        return out, output.text
-    return once(tmp_path_factory, "zero3", make)
 
 
 def part_way(out):

@@ -201,7 +201,7 @@ def test_every_rank_evaluates_every_image_once_in_as_many_batches_as_every_other
 def test_eval_batches_honour_a_smaller_most_and_refuse_a_rank_without_an_image():
     batches = [data.eval_batches(21, rank, 2, most=4) for rank in range(2)]
     assert [[len(b) for b in rank] for rank in batches] == [[4, 4, 3], [4, 3, 3]]
-    with pytest.raises(UserError, match="3 test images cannot give each of the 4 processes one"):
+    with pytest.raises(UserError, match="3 test samples cannot give each of the 4 processes one"):
         data.eval_batches(3, 3, 4)
 
 

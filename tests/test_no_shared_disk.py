@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from helpers import (BIN, DDP_ARGS, EPOCHS, OUR_FRAMES, as_after_epoch, digests, env, free_port,
-                     script, torchrun)
+                     script)
 
 
 def unshare_refusal():
@@ -65,25 +65,16 @@ def test_a_rank_without_the_checkpoint_resumes_what_rank_0_sends(number, data, r
         digests(out), digests(tmp_path / "rank1"), digests(run04[0]))
 
 
-@pytest.fixture(scope="module")
-def run05(tiny_data, tmp_path_factory):
-    """05 on 2 processes for 1 epoch: its engine checkpoint (a file per rank) beside its .pt."""
-    out = tmp_path_factory.mktemp("run05")
-    torchrun(2, 5, *tiny_data, "--arch", "cnn", "--workers", "0", "--epochs", "1",
-             "--batch-size", "2", "--amp", "off", "--out-dir", out, DS_ACCELERATOR="cpu")
-    return out
-
-
 @pytest.mark.parametrize("number", [5, 8], ids=["05-deepspeed", "08-fsdp"])
 def test_a_rank_that_cannot_see_a_per_rank_checkpoint_stops_every_rank_in_one_line(
-        number, request, data, tiny_data, tmp_path):
+        number, request, data, tmp_path):
+    """05: test_05_deepspeed.py's ZeRO-3 run's epoch 1; 08: run08's."""
+    source, kind = request.getfixturevalue("zero3" if number == 5 else "run08")[0], "DCP"
     if number == 5:
-        source, flags, kind = request.getfixturevalue("run05"), tiny_data, "DeepSpeed"
-    else:
-        source, flags, kind = request.getfixturevalue("run08")[0], data, "DCP"
+        kind = "DeepSpeed"
     out = as_after_epoch(source, tmp_path / "out", 1)
-    ends = two_machines(number, out, tmp_path / "rank1", *flags, "--arch", "cnn", "--workers",
-                        "0", "--epochs", "2", "--amp", "off", "--resume", "auto")
+    ends = two_machines(number, out, tmp_path / "rank1", *data, "--epochs", "2", "--amp", "off",
+                        "--resume", "auto")
     line = f"rank(s) 1 cannot see {out}"
     for status, output in ends:
         # torchrun's report of the failed process (its Root Cause) names our one line
