@@ -53,7 +53,8 @@ TESTS = {
         "tests/test_learning_curves.py::test_the_data_needs_two_epochs_at_either_shape[04-2x32]",
         "tests/test_default_model.py::test_04_learns_with_identical_replicas",
         "tests/test_06_horovod.py::test_06_and_04_continue_a_06_checkpoint_to_the_same_bits_and_01_trains_on",
-        "tests/test_no_shared_disk.py::test_a_rank_without_the_checkpoint_resumes_what_rank_0_sends"],
+        "tests/test_no_shared_disk.py::test_a_rank_without_the_checkpoint_resumes_what_rank_0_sends"
+        "[04-ddp]"],
     5: ["tests/test_05_deepspeed.py", f"{PREEMPT}[05-deepspeed]", f"{CURVES}[5]",
         f"{DEFAULT}[05]",
         "tests/test_template.py::test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision",
@@ -63,6 +64,8 @@ TESTS = {
         "[05-deepspeed]"],
     6: ["tests/test_06_horovod.py", f"{PREEMPT}[06-horovodrun]", f"{CURVES}[6]", f"{DEFAULT}[06]"],
     7: ["tests/test_07_apex.py", f"{PREEMPT}[07-torchrun]", f"{CURVES}[7]", f"{DEFAULT}[07]",
+        "tests/test_no_shared_disk.py::test_a_rank_without_the_checkpoint_resumes_what_rank_0_sends"
+        "[07-apex]",
         f"{GPU_PATHS}07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_"
         "checkpoint"],
     8: ["tests/test_08_fsdp.py", f"{PREEMPT}[08-torchrun]", f"{CURVES}[8]", f"{DEFAULT}[08]",

@@ -495,10 +495,8 @@ def assert_learned_every_sample(out, kind, name, output, world):
     assert sorted(found) == list(range(world)) and len(set(found.values())) == 1, found
 
 
-# Rows through every step; token ids through the loops of their own (06's and 07's are 04's: their
-# rows copies end at its bits).
-SHAPED_RUNS = [("rows", number) for number in (1, 4, 5, 6, 7, 8)] + [
-    ("tokens", number) for number in (1, 4, 5, 8)]
+# Both jobs through 01 and every distributed step.
+SHAPED_RUNS = [(kind, number) for kind in sorted(SHAPES) for number in (1, 4, 5, 6, 7, 8)]
 
 
 @pytest.mark.parametrize("kind,number", SHAPED_RUNS, ids=[f"{k}-{n}" for k, n in SHAPED_RUNS])
