@@ -133,6 +133,12 @@ def shared_parser(description, step, archs):
         help="replace the run already in --out-dir instead of refusing")
     add("--stop-after", type=positive_int, metavar="N",
         help="leave after N epochs of this run (--resume auto goes on)")
+    add("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+        help="TensorBoard event files in --out-dir, written by rank 0 (default on; "
+        "tensorboard --logdir runs)")
+    add("--loss-every", type=positive_int, default=10, metavar="N",
+        help="keep every Nth optimizer step's training loss, for TensorBoard and metrics.jsonl "
+        "(default 10)")
     add("--profile", type=non_negative_int, default=0, metavar="N",
         help="trace N optimizer steps into --out-dir and say where their time went "
         "(docs/debugging.md)")

@@ -1,6 +1,6 @@
-"""What a run reports: Log (metrics.jsonl, the console's lines, the training curves, each rank's
-weight digest), and Meter (one rank's figures of an epoch's loop: its timing, and --profile's
-trace)."""
+"""What a run reports: Log (metrics.jsonl, the console's lines, TensorBoard's event files, the
+training curves, each rank's weight digest), and Meter (one rank's figures of an epoch's loop: its
+timing, every --loss-every'th step's loss, and --profile's trace)."""
 import contextlib
 import json
 import math
@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.profiler as tp
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from tqdm import tqdm
 
 from .checkpoint import checkpoint_path, load, write_digest
@@ -28,18 +29,23 @@ class Log:
 
     def __init__(self, step, args, start_epoch, info):
         self.step, self.args, self.info = step, args, info
-        self.path = os.path.join(args.out_dir, FILE)
+        self.path, self.board = os.path.join(args.out_dir, FILE), None
         if rank() == 0:
             kept = read(self.path) if start_epoch else []
             rows = [row for row in kept if row["epoch"] <= start_epoch]
+            recovered = []
             if start_epoch and start_epoch not in [row["epoch"] for row in rows]:
                 with contextlib.suppress(UserError):
                     state = load(checkpoint_path(args.out_dir, start_epoch), mmap=True)
                     if state["metrics"]:
-                        rows += [{**state["metrics"], "synthetic": state["synthetic"]}]
+                        recovered = [{**state["metrics"], "synthetic": state["synthetic"]}]
             os.makedirs(args.out_dir, exist_ok=True)
             with open(self.path, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+                f.writelines(json.dumps(row) + "\n" for row in rows + recovered)
+            if args.tensorboard:
+                self.board = Board.open(args.out_dir, sum(row.get("steps", 0) for row in rows))
+            for row in recovered if self.board else ():
+                self.board.epoch(row)
 
     def start(self, device, precision, loader, prefix=""):
         """The run's first line: model, devices, precision (what --amp auto chose, and why),
@@ -67,6 +73,8 @@ class Log:
             if not row.get("partial"):
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                if self.board:
+                    self.board.epoch(row)
             print(epoch_line(row, self.args.epochs, self.info.unit), flush=True)
 
     def finish(self, model_state):
@@ -75,7 +83,46 @@ class Log:
         if rank() == 0:
             many = f", {processes()} processes" * (processes() > 1)
             plot(self.args.out_dir, f"{self.step} ({self.args.arch}{many})")
+            if self.board:
+                self.board.writer.close()
         write_digest(self.args.out_dir, rank(), model_state)
+
+
+class Board:
+    """TensorBoard's view of a run, in its --out-dir (rank 0 writes it): each finished epoch's row
+    of metrics.jsonl as scalars "epoch/<key>" at the optimizer step that ended the epoch, and its
+    kept steps' losses as "step/train_loss", all on one axis of optimizer steps. A resumed run goes
+    on from the steps of the epochs it keeps and hides what an earlier attempt wrote from there on
+    (SummaryWriter's purge_step); a part-way epoch is written once it finishes, so it shows once."""
+    EPOCH = ("train_loss", "test_loss", "test_acc", "lr", "images_per_sec", "epoch_seconds")
+
+    def __init__(self, writer, steps):
+        self.writer, self.steps = writer, steps
+
+    @classmethod
+    def open(cls, out_dir, steps):
+        """The board of a run whose finished epochs took `steps` optimizer steps, or None (one line
+        says so) where the tensorboard package is missing."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            print(f"note: no TensorBoard files ({error}): pip install tensorboard, or pass "
+                  "--no-tensorboard", file=sys.stderr)
+            return None
+        # The finished epochs' scalars sit at their last step: what comes after them goes.
+        return cls(SummaryWriter(out_dir, purge_step=steps + 1), steps)
+
+    def epoch(self, row):
+        start, self.steps = self.steps, self.steps + row["steps"]
+        for step, loss in row.get("loss_steps", []):
+            self.writer.add_scalar("step/train_loss", loss, start + step)
+        for key in [key for key in self.EPOCH if row.get(key) is not None]:
+            self.writer.add_scalar(f"epoch/{key}", row[key], self.steps)
+        self.writer.add_scalar("epoch/epoch", row["epoch"], self.steps)
+        if row.get("ranks"):
+            slowest = max(row["ranks"]["train_s"])
+            self.writer.add_scalar("epoch/slowest_rank_seconds", slowest, self.steps)
+        self.writer.flush()
 
 
 def read(path):
@@ -160,6 +207,15 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+# The learning rate of the process's last optimizer step, noted by a hook on every optimizer's step
+# (torch's global one), so that no step's loop hands it over.
+LEARNING_RATE = {}
+
+
+def note_learning_rate(optimizer, args, kwargs):
+    LEARNING_RATE["last"] = optimizer.param_groups[0]["lr"]
+
+
 # Arrival times count from here (2023-11), not 1970: sums of them keep their precision.
 ARRIVALS_FROM = 1.7e9
 # Optimizer steps before --profile's trace: DDP regroups its buckets after the first, caches settle.
@@ -184,14 +240,16 @@ class Meter:
 
     def __init__(self, args, steps_per_epoch):
         self.grad_accum, self.of_steps = args.grad_accum, steps_per_epoch
-        self.out_dir = args.out_dir
+        self.out_dir, self.loss_every = args.out_dir, args.loss_every
         self.profile_steps, self.optimizer_steps, self.profiler = args.profile, 0, None
+        if "hook" not in LEARNING_RATE:
+            LEARNING_RATE["hook"] = register_optimizer_step_post_hook(note_learning_rate)
 
     def start(self, part, skipped):
         """An epoch begins; `part`: the row a stopped run saved for it,
         whose `skipped` steps this run does not do."""
         self.part, self.skipped, self.passes = part or {}, skipped, 0
-        self.data_seconds, self.arrivals = 0.0, []
+        self.data_seconds, self.arrivals, self.losses, self.group_loss = 0.0, [], [], 0.0
         self.bar = Bar(total=self.of_steps, initial=skipped, unit="step", leave=False,
                        disable=rank() != 0 or not sys.stderr.isatty())  # by rank 0, on a terminal
         self.begin = self.ready = time.perf_counter()
@@ -206,8 +264,17 @@ class Meter:
             self.arrivals.append(self.arrived)
         self.passes += 1
 
-    def batch_done(self):
-        self.bar.update(self.passes % self.grad_accum == 0)  # an optimizer step is done
+    def batch_done(self, loss=None):
+        """After a pass; `loss`: its loss, whose mean over the passes of every --loss-every'th
+        optimizer step is kept on the device until the epoch's row."""
+        done = self.passes % self.grad_accum == 0
+        if loss is not None:
+            self.group_loss = self.group_loss + loss.detach().float()
+        step = self.skipped + math.ceil(self.passes / self.grad_accum)
+        if loss is not None and done and step % self.loss_every == 0:
+            self.losses.append((step, self.group_loss / self.grad_accum))
+        self.group_loss = 0.0 if done else self.group_loss
+        self.bar.update(done)  # an optimizer step is done
         self.ready = time.perf_counter()
 
     def timing(self):
@@ -239,7 +306,10 @@ class Meter:
         peak = max(peak_memory_mb(totals.device), part.get("peak_memory_mb", 0.0))
         row = {"train_loss": loss_sum / seen, "images_per_sec": seen / seconds,
                "epoch_seconds": seconds, "peak_memory_mb": peak, "steps": steps,
-               "images": int(seen)}
+               "images": int(seen), "lr": LEARNING_RATE.get("last")}
+        kept = torch.stack([loss for _, loss in self.losses]).tolist() if self.losses else []
+        row["loss_steps"] = part.get("loss_steps", []) + [
+            [step, loss] for (step, _), loss in zip(self.losses, kept)]
         if timing is not None:
             # Summed as a list: apex.amp O1 makes a CUDA tensor's sum() fp32 (seen on an H100).
             last, done = sum(timing[:len(self.arrivals)].tolist()), len(self.arrivals)
