@@ -9,6 +9,7 @@ Your own data and model: replace build_data, ARCHS and build_model.
 """
 import os
 import sys
+from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,12 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
-                    meter):
+# The model and what trains it, on which device and in which precision: what the loop works with.
+Training = namedtuple("Training", "model optimizer scheduler scaler device amp_dtype")
+
+
+def train_one_epoch(args, training, loader, stop, meter):
+    model, optimizer, scheduler, scaler, device, amp_dtype = training
     model.train()
     # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -96,7 +101,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
             optimizer.zero_grad()
         totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
-        meter.batch_done()
+        meter.batch_done(loss)
         # A stop signal (SIGTERM, SIGUSR1) ends the epoch after a whole optimizer step.
         if last_pass and stop.requested(step // args.grad_accum + 1):
             break
@@ -119,16 +124,17 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
-                           global_step=global_step, model_state=model.state_dict(),
-                           optimizer=optimizer, scheduler=scheduler, scaler=scaler, args=args,
-                           metrics=row, synthetic=info.synthetic)
+def save_checkpoint(args, training, row, info):
+    state = {"step": STEP, "model": training.model.state_dict(),
+             "optimizer": training.optimizer.state_dict(),
+             "scheduler": training.scheduler.state_dict(), "scaler": training.scaler.state_dict(),
+             "global_step": training.scheduler.last_epoch, "synthetic": info.synthetic}
+    return checkpoint.save(args, row, state)
 
 
-def resume(args, model, optimizer, scheduler, scaler):
-    return checkpoint.resume(args, model=model, optimizer=optimizer, scheduler=scheduler,
-                             scaler=scaler)
+def resume(args, training):
+    return checkpoint.resume(checkpoint.find(args), training.model, training.optimizer,
+                             training.scheduler, training.scaler)
 
 
 @exits_cleanly
@@ -140,25 +146,24 @@ def main(argv=None):
     train_set, test_set, info = build_data(args)
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = sampler.steps
-    optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler, scaler)
-    # --compile: the compiled model shares the weights; checkpoints save `model`.
-    train_model = torch.compile(model) if args.compile else model
-    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
+    optimizer, scheduler, scaler = build_optimizer(args, model, sampler.steps, device, amp_dtype)
+    training = Training(model, optimizer, scheduler, scaler, device, amp_dtype)
+    start_epoch, _, part_done = resume(args, training)
+    # --compile: the model's forward, compiled in place (its weights and their names stay).
+    if args.compile:
+        model.compile()
+    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, sampler.steps)
     log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        row = train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler, device,
-                              amp_dtype, stop, meter)
+        row = train_one_epoch(args, training, train_loader, stop, meter)
         row = {"epoch": epoch, **row}
-        # The schedule counts optimizer steps. An epoch stopped part-way is saved, not evaluated.
-        global_step = scheduler.last_epoch
+        # An epoch stopped part-way is saved, not evaluated.
         if not row.get("partial"):
-            row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
-        save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info)
+            row.update(evaluate(args, model, test_loader, device, amp_dtype))
+        save_checkpoint(args, training, row, info)
         log.epoch(row)
         if stop.leave(epoch, start_epoch, args.epochs):
             break

@@ -13,6 +13,7 @@ import datetime
 import gc
 import os
 import sys
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
-    # DDP: torch.distributed.launch passes --local-rank=N (torchrun sets LOCAL_RANK): its GPU.
+    # DDP: torch.distributed.launch passes --local-rank=N, torchrun sets LOCAL_RANK (its GPU).
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     parser.add_argument("--local-rank", "--local_rank", type=int, default=local_rank)
     parser.add_argument("--spawn", type=int, default=0, metavar="N",
@@ -49,7 +50,7 @@ def setup(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
     device = torch.accelerator.current_accelerator(check_available=True)
-    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU: one line, exit 2.
+    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU, stops in one line.
     check_device(args, device)
     if device is not None:
         # DDP: one GPU per process, chosen by its local rank, its default device from now on.
@@ -58,7 +59,7 @@ def setup(args):
         torch.backends.cudnn.benchmark = True
     else:
         device = torch.device("cpu")
-        # plumbing: one line, not one per process.
+        # DDP: every process gets here; rank 0 speaks for them all.
         if rank == 0:
             print("no GPU found: running on the CPU")
     # DDP: join the process group (nccl for CUDA, xccl for XPU, gloo for the CPU); a peer that
@@ -66,7 +67,7 @@ def setup(args):
     backend = dist.get_default_backend_for_device(device)
     dist.init_process_group(backend, device_id=device if backend != "gloo" else None,
                             timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
-    # DDP: rank 0 reads --resume's settings (or its error) for every rank: no shared disk needed.
+    # DDP: rank 0 reads --resume's settings (or its error) and sends them, so no disk is shared.
     settings = [checkpoint.settings(args) if rank == 0 else None]
     dist.broadcast_object_list(settings, src=0)  # collective
     settings[0].apply(args)
@@ -74,8 +75,7 @@ def setup(args):
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
-# DDP: a stop signal on any rank stops them all after the same step: a max over the ranks, on a
-# CPU group of its own, started every 8th step without waiting and read 8 steps later.
+# DDP: a stop signal on any rank stops them all after the same step (an async max, read 8 later).
 def stop_agreement(group):
     def agree(flag):
         work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=group, async_op=True)  # collective
@@ -120,7 +120,7 @@ def build_model(args, info):
 def prepare_model(args, model, device):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
-    # DDP: --sync-bn: batch-norm statistics over the global batch, not each rank's.
+    # DDP: with --sync-bn, batch norm takes its statistics over the global batch, not each rank's.
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # DDP: the wrapper copies rank 0's weights to every rank now, and averages the gradients in
@@ -138,8 +138,12 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
-                    meter):
+# The model and what trains it, on which device and in which precision: what the loop works with.
+Training = namedtuple("Training", "model optimizer scheduler scaler device amp_dtype")
+
+
+def train_one_epoch(args, training, loader, stop, meter):
+    model, optimizer, scheduler, scaler, device, amp_dtype = training
     model.train()
     # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -163,11 +167,11 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
             optimizer.zero_grad()
         totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
-        meter.batch_done()
+        meter.batch_done(loss)
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
         if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
-    # DDP: every rank saw other samples: the sums over the ranks, and every rank's timing.
+    # DDP: each rank saw other samples, so the sums add up across ranks; the timing is the slowest.
     dist.all_reduce(totals)  # collective
     timing = meter.timing().to(device)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # collective
@@ -193,24 +197,24 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
+def save_checkpoint(args, training, row, info):
     # DataParallel: save the model inside the wrapper (no `module.` prefix), as later steps do.
-    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
-                           global_step=global_step, model_state=model.module.state_dict(),
-                           optimizer=optimizer, scheduler=scheduler, scaler=scaler, args=args,
-                           metrics=row, synthetic=info.synthetic)
+    state = {"step": STEP, "model": training.model.module.state_dict(),
+             "optimizer": training.optimizer.state_dict(),
+             "scheduler": training.scheduler.state_dict(), "scaler": training.scaler.state_dict(),
+             "global_step": training.scheduler.last_epoch, "synthetic": info.synthetic}
+    return checkpoint.save(args, row, state)
 
 
-def resume(args, model, optimizer, scheduler, scaler):
-    # DDP: rank 0 reads the checkpoint and sends it to every rank, which loads it into its replica:
-    # no shared disk needed.
-    rank, world = dist.get_rank(), dist.get_world_size()
+def resume(args, training):
+    # DDP: rank 0 reads the checkpoint and sends it; every rank loads it (no disk is shared).
+    rank, world, model = dist.get_rank(), dist.get_world_size(), training.model.module
     found = [checkpoint.find(args) if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # collective
-    progress = checkpoint.resume(args, state=found[0], model=model.module, optimizer=optimizer,
-                                 scheduler=scheduler, scaler=scaler, verbose=rank == 0)
+    progress = checkpoint.resume(found[0], model, training.optimizer, training.scheduler,
+                                 training.scaler, verbose=rank == 0)
     # DDP: the ranks compare their epoch, step and weights; if one differs, every rank stops.
-    mine, positions = checkpoint.position(progress, model.module.state_dict()), [None] * world
+    mine, positions = checkpoint.position(progress, model.state_dict()), [None] * world
     dist.all_gather_object(positions, mine)  # collective
     checkpoint.agree(positions)
     return progress
@@ -219,59 +223,56 @@ def resume(args, model, optimizer, scheduler, scaler):
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    # DDP: no launcher: --spawn N starts N processes (spawn, below), else a group of one.
+    # DDP: without a launcher, --spawn N starts N processes (spawn, below), else a group of one.
     if "RANK" not in os.environ and args.spawn:
         return spawn(args, argv)
     if "RANK" not in os.environ:
         be_a_group_of_one()
-    device, amp_dtype, rank, world_size = setup(args)
-    # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
+    device, amp_dtype, rank, world_size = setup(args)  # collective
+    # DDP: after SIGTERM or SIGUSR1 on any rank, all finish the same step, save and exit 75.
     group = dist.new_group(backend="gloo",
                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group))
-    train_set, test_set, info = build_data(args)
+    train_set, test_set, info = build_data(args)  # collective
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
-    model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = sampler.steps
-    optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler,
-                                                 scaler)  # collective
-    # --compile: the compiled model shares the weights; checkpoints save `model`.
-    train_model = torch.compile(model) if args.compile else model
-    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
+    model = prepare_model(args, build_model(args, info), device)  # collective
+    optimizer, scheduler, scaler = build_optimizer(args, model, sampler.steps, device, amp_dtype)
+    training = Training(model, optimizer, scheduler, scaler, device, amp_dtype)
+    start_epoch, _, part_done = resume(args, training)  # collective
+    # --compile: the model's forward, compiled in place (its weights and their names stay).
+    if args.compile:
+        model.compile()
+    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, sampler.steps)
     log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        row = train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler, device,
-                              amp_dtype, stop, meter)
+        row = train_one_epoch(args, training, train_loader, stop, meter)  # collective
         row = {"epoch": epoch, **row}
-        # The schedule counts optimizer steps. An epoch stopped part-way is saved, not evaluated.
-        global_step = scheduler.last_epoch
+        # An epoch stopped part-way is saved, not evaluated.
         if not row.get("partial"):
-            row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
+            row.update(evaluate(args, model, test_loader, device, amp_dtype))  # collective
         # DDP: rank 0 writes alone; the barrier keeps the others from running ahead meanwhile.
         if rank == 0:
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row,
-                            info)
+            save_checkpoint(args, training, row, info)
         log.epoch(row)
         dist.barrier()  # collective
         if stop.leave(epoch, start_epoch, args.epochs):  # collective
             break
 
-    # DDP: every rank writes weights-rankN.sha256 of its replica: equal files, equal replicas.
+    # DDP: every rank writes weights-rankN.sha256 of its replica; equal files mean equal replicas.
     log.finish(model.module.state_dict())
     # DDP: free DDP now (a later garbage collection can hang the exit); leave the group cleanly.
-    del model, train_model
+    del model, training
     gc.collect()
     dist.destroy_process_group()
     # 75 after a stop signal: a batch script requeues the job.
     return stop.exit_status()
 
 
-# DDP: --spawn N, no launcher: N processes on this machine, each running main() as a rank with
-# what a launcher would set for it (torchrun also sets one thread per process).
+# DDP: --spawn N starts N processes on this machine without a launcher, each running main() as a
+# rank with what a launcher would set for it (torchrun also sets one thread per process).
 def spawn(args, argv):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(get_free_port())
@@ -288,7 +289,7 @@ def run_as_rank(local_rank, argv, world_size):
     sys.exit(main(argv))
 
 
-# DDP: no launcher: rank 0 of 1, at a port the OS picks (MASTER_PORT 0).
+# DDP: without a launcher, this process is rank 0 of 1, at a port the OS picks (MASTER_PORT 0).
 def be_a_group_of_one():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or "0"

@@ -7,6 +7,7 @@ shards the optimizer state, 2 also the gradients, 3 also the weights; each rank 
     deepspeed --num_gpus 4 05_cifar10_deepspeed.py --deepspeed_config ds_config.json --zero-stage 3
 """
 import datetime
+import functools
 import gc
 import glob
 import json
@@ -27,22 +28,31 @@ from common import checkpoint, data, metrics, models, preempt
 from common.cli import amp_dtype, check_device, exits_cleanly, shared_parser
 from common.schedule import warmup_cosine
 
+# plumbing: DeepSpeed picks its accelerator on import, so a CPU is named first (else ranks warn).
+if not torch.accelerator.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+try:
+    import deepspeed
+except ImportError as error:
+    print(f"error: DeepSpeed is not importable by {sys.executable} ({error}): install it with "
+          f"`{sys.executable} -m pip install deepspeed==0.19.8`", file=sys.stderr)
+    sys.exit(2)
+
 STEP = os.path.splitext(os.path.basename(__file__))[0]
 # DeepSpeed: SGD's momentum and weight decay are in its config, ds_config.json next to this script.
-WARMUP_EPOCHS = 1
-CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
+WARMUP_EPOCHS, CONFIG = 1, str(Path(os.path.abspath(__file__)).with_name("ds_config.json"))
 
 
 def parse_args(argv=None):
     parser = shared_parser(__doc__.splitlines()[0], STEP, ARCHS)
-    # DeepSpeed: its launcher passes --local_rank=N too, as torch.distributed.launch does: its GPU.
+    # DeepSpeed: its launcher passes --local_rank=N, as torch.distributed.launch does, for the GPU.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     parser.add_argument("--local-rank", "--local_rank", type=int, default=local_rank)
     parser.add_argument("--dist-timeout", type=int, default=600, metavar="SECONDS",
                         help="how long a rank waits for a missing one")
     parser.add_argument("--sync-bn", action="store_true",
                         help="batch norm over the global batch (CUDA, XPU)")
-    # DeepSpeed: its config (default: ds_config.json here), and what ZeRO shards (default: its).
+    # DeepSpeed: its config (ds_config.json here unless given), and a ZeRO stage that overrides it.
     parser.add_argument("--deepspeed_config", "--deepspeed-config", default=CONFIG,
                         metavar="JSON", help="its config")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
@@ -55,7 +65,7 @@ def setup(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
     device = torch.accelerator.current_accelerator(check_available=True)
-    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU: one line, exit 2.
+    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU, stops in one line.
     check_device(args, device)
     if device is not None:
         # DDP: one GPU per process, chosen by its local rank, its default device from now on.
@@ -64,17 +74,19 @@ def setup(args):
         torch.backends.cudnn.benchmark = True
     else:
         device = torch.device("cpu")
-        # DeepSpeed: on a CPU it would first compile a shared-memory op (30-90 s): gloo will do.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        # plumbing: one line, not one per process.
+        # DeepSpeed: on a CPU, no 30-90 s compile of an op that training never uses.
+        skip_shm_op_build()
+        # DDP: every process gets here; rank 0 speaks for them all.
         if rank == 0:
             print("no GPU found: running on the CPU")
+    # plumbing: no DeepSpeed warnings about what this step does on purpose.
+    quiet_deepspeed()
     # DeepSpeed: join the process group (nccl for CUDA, xccl for XPU, gloo for the CPU); a peer that
     # does not answer within --dist-timeout is an error, not a wait for ever.
     backend = dist.get_default_backend_for_device(device)
     deepspeed.init_distributed(backend,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
-    # DDP: rank 0 reads --resume's settings (or its error) for every rank: no shared disk needed.
+    # DDP: rank 0 reads --resume's settings (or its error) and sends them, so no disk is shared.
     settings = [checkpoint.settings(args) if rank == 0 else None]
     dist.broadcast_object_list(settings, src=0)  # collective
     settings[0].apply(args)
@@ -82,8 +94,7 @@ def setup(args):
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
-# DDP: a stop signal on any rank stops them all after the same step: a max over the ranks, on a
-# CPU group of its own, started every 8th step without waiting and read 8 steps later.
+# DDP: a stop signal on any rank stops them all after the same step (an async max, read 8 later).
 def stop_agreement(group):
     def agree(flag):
         work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=group, async_op=True)  # collective
@@ -131,8 +142,8 @@ def prepare_model(args, model, device):
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if args.sync_bn else model
 
 
-# DeepSpeed: returns the engine: model, SGD, our schedule from step start_step and precision in one.
-def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):
+# DeepSpeed: its config file, with the command line written in.
+def build_config(args, amp_dtype):
     config = json.loads(Path(args.deepspeed_config).read_text())
     config.update(train_micro_batch_size_per_gpu=args.batch_size,
                   gradient_accumulation_steps=args.grad_accum)
@@ -140,27 +151,30 @@ def build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step):
     config.setdefault("optimizer", {"type": "SGD"}).setdefault("params", {})["lr"] = args.lr
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
-    # DeepSpeed: --amp: 16-bit weights with fp32 masters (no autocast), 16-bit buffers, or fp32.
+    # DeepSpeed: --amp picks 16-bit weights with fp32 masters and 16-bit buffers, or fp32.
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[amp_dtype]
     for key in ("bf16", "fp16"):
         config.setdefault(key, {})["enabled"] = precision == key
     config.setdefault("data_types", {})["buffer_dtype"] = None if amp_dtype is None else precision
-    if dist.get_rank() == 0:
-        print(f"DeepSpeed config: {json.dumps(config, separators=(',', ':'))}")
-    # DeepSpeed: our warm-up and cosine, from step start_step (LambdaLR needs initial_lr for that).
-    def build_scheduler(optimizer):
-        for group in optimizer.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-        schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=start_step - 1)
-    # DeepSpeed: it builds SGD, steps our schedule, owns precision, averaging, clipping and ZeRO,
-    # and copies rank 0's weights to every rank; its step count goes into its checkpoints.
+    return config
+
+
+# DeepSpeed: our schedule for the engine's SGD from step start_step (so LambdaLR needs initial_lr).
+def build_scheduler(args, steps_per_epoch, start_step, optimizer):
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=start_step - 1)
+
+
+# DeepSpeed: the engine builds SGD and our schedule, owns precision, averaging, clipping and ZeRO,
+# and copies rank 0's weights to all.
+def build_optimizer(model, config, scheduler):
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=config, lr_scheduler=build_scheduler)  # collective
+                                          config=config, lr_scheduler=scheduler)  # collective
     except (AssertionError, ValueError) as error:
         sys.exit(f"deepspeed.initialize refused the config: {' '.join(str(error).split())[:300]}")
-    engine.global_steps = start_step
     return engine
 
 
@@ -175,23 +189,21 @@ def train_one_epoch(args, engine, loader, device, stop, meter):
         inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
-        # DeepSpeed: float batches in the engine's precision (bf16 keeps 3 significant digits:
-        # normalise raw features first); integer ones (our uint8 images, token ids) as they are.
-        # The engine's group ends where ours does (an epoch's last group may be shorter); on its
-        # last pass it averages, clips, steps and zeroes.
+        # DeepSpeed: float batches in the engine's precision (normalise them first, as bf16 keeps 3
+        # digits); the engine's group ends where ours does, then it averages, clips and steps.
         if inputs.is_floating_point():
-            inputs = inputs.to(engine_dtype(engine))
+            inputs = inputs.to(engine.get_data_types()[0])
         engine.set_gradient_accumulation_boundary(last_pass)
         loss = F.cross_entropy(engine(inputs).float(), labels)  # collective (ZeRO-3)
         engine.backward(loss)  # collective
         engine.step()  # collective
         totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
-        meter.batch_done()
+        meter.batch_done(loss)
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
         if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
-    # DDP: every rank saw other samples: the sums over the ranks, and every rank's timing.
+    # DDP: each rank saw other samples, so the sums add up across ranks; the timing is the slowest.
     dist.all_reduce(totals)  # collective
     timing = meter.timing().to(device)
     dist.all_reduce(timing, op=dist.ReduceOp.MAX)  # collective
@@ -209,7 +221,7 @@ def evaluate(args, engine, loader, device):
         labels = labels.to(device, non_blocking=True)
         # DeepSpeed: as in training.
         if inputs.is_floating_point():
-            inputs = inputs.to(engine_dtype(engine))
+            inputs = inputs.to(engine.get_data_types()[0])
         logits = engine(inputs).float()  # collective (ZeRO-3)
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
@@ -220,66 +232,60 @@ def evaluate(args, engine, loader, device):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-# DeepSpeed: the precision the engine runs the model in (its config's bf16 or fp16, else fp32).
-def engine_dtype(engine):
-    if engine.bfloat16_enabled():
-        return torch.bfloat16
-    if engine.fp16_enabled():
-        return torch.float16
-    return torch.float32
-
-
 # DeepSpeed: every rank's copy of the whole weights in fp32 (ZeRO 1-3 gathers them), and buffers.
 def full_weights(engine):
-    optimizer = engine.optimizer
-    pairs = zip(getattr(optimizer, "fp16_groups", []), getattr(optimizer, "fp32_groups", []))
-    masters = {id(low): high for lows, highs in pairs for low, high in zip(lows, highs)}
-    state = {}
+    masters, state = zero0_fp32_masters(engine.optimizer), {}
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
-        full = None
         if isinstance(tensor, nn.Parameter):
             full = deepspeed.utils.safe_get_full_fp32_param(tensor)  # collective
-        tensor = (masters.get(id(tensor), tensor) if full is None else full).detach().cpu()
+            tensor = masters.get(id(tensor), tensor) if full is None else full
+        tensor = tensor.detach().cpu()
         state[name] = tensor.float() if tensor.is_floating_point() else tensor
     return state
 
 
-# DeepSpeed: EVERY rank saves its shard of the engine's state and our position in the run; rank 0
-# keeps the newest 3, and writes the gathered weights as checkpoint-epochNNNN.pt as 01-04 do.
-def save_checkpoint(args, epoch, global_step, engine, row, info):
-    folder, done = os.path.join(args.out_dir, "ds_checkpoints"), epoch - bool(row.get("partial"))
-    tag = f"epoch{done:04d}" + (f"-step{row['steps']:06d}" if done < epoch else "")
-    position = {"step": STEP, "epoch": done, "global_step": global_step, "metrics": row,
+# DeepSpeed: EVERY rank saves its shard and our position; rank 0 keeps 3, and writes the weights.
+def save_checkpoint(args, engine, row, info):
+    folder, partial = os.path.join(args.out_dir, "ds_checkpoints"), row.get("partial")
+    done = row["epoch"] - bool(partial)
+    tag = f"epoch{done:04d}" + (f"-step{row['steps']:06d}" if partial else "")
+    position = {"step": STEP, "epoch": done, "global_step": engine.global_steps, "metrics": row,
                 "rng": {"torch": torch.get_rng_state()}}
     engine.save_checkpoint(folder, tag=tag, client_state=position)  # collective
-    model_state = full_weights(engine)  # collective
+    state = {"step": STEP, "model": full_weights(engine), "global_step": engine.global_steps,
+             "synthetic": info.synthetic}  # collective
     if dist.get_rank() == 0:
         for old in sorted(glob.glob(os.path.join(folder, "epoch*")))[:-3]:
             shutil.rmtree(old, ignore_errors=True)
-        return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
-                               global_step=global_step, model_state=model_state, args=args,
-                               metrics=row, synthetic=info.synthetic)
+        return checkpoint.save(args, row, state)
 
 
-# DeepSpeed: (folder, tag) of the engine checkpoint --resume names (auto: ds_checkpoints/), or None.
-def engine_checkpoint(args):
+# DeepSpeed: an engine checkpoint restores everything; else a .pt gives weights before ZeRO shards.
+def choose_checkpoint(args):
     auto = os.path.join(args.out_dir, "ds_checkpoints")
     path = auto if args.resume == "auto" else os.path.abspath(args.resume or "-")
     if os.path.isfile(os.path.join(path, "latest")):
-        return path, Path(path, "latest").read_text().strip()
-    return os.path.split(path) if glob.glob(os.path.join(path, "*model_states.pt")) else None
+        return (path, Path(path, "latest").read_text().strip()), {}
+    if glob.glob(os.path.join(path, "*model_states.pt")):
+        return os.path.split(path), {}
+    return None, checkpoint.find(args)
 
 
-# DeepSpeed: every rank reads its shard of the weights and optimizer state, and our position,
-# from the folder rank 0 chose: each must see it (its files are written per rank).
-def resume(args, engine, found, rank):
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, os.path.isdir(os.path.join(*found)))  # collective
-    checkpoint.check_seen(seen, os.path.join(*found), "DeepSpeed")
-    refuse_other_process_counts(found)
-    path, client = engine.load_checkpoint(*found)  # collective
-    says = f", DeepSpeed checkpoint {os.path.dirname(path)}"
-    return checkpoint.resume(args, state=client, verbose=rank == 0, says=says)
+# DeepSpeed: every rank loads its shard from the folder rank 0 chose; then all compare epoch, step
+# and whole weights.
+def resume(engine, found, progress):
+    rank, seen = dist.get_rank(), [None] * dist.get_world_size()
+    if found:
+        dist.all_gather_object(seen, os.path.isdir(os.path.join(*found)))  # collective
+        checkpoint.check_seen(seen, os.path.join(*found), "DeepSpeed")
+        refuse_other_process_counts(found)
+        _, client = engine.load_checkpoint(*found)  # collective
+        progress = checkpoint.resume(client, verbose=rank == 0)
+    mine = checkpoint.position(progress, full_weights(engine))  # collective
+    positions = [None] * len(seen)
+    dist.all_gather_object(positions, mine)  # collective
+    checkpoint.agree(positions)
+    return progress
 
 
 @exits_cleanly
@@ -287,38 +293,30 @@ def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:
         be_a_group_of_one()
-    device, amp_dtype, rank, world_size = setup(args)
-    # DDP: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75 (stop_agreement).
+    device, amp_dtype, rank, world_size = setup(args)  # collective
+    # DDP: after SIGTERM or SIGUSR1 on any rank, all finish the same step, save and exit 75.
     group = dist.new_group(backend="gloo",
                            timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     # DeepSpeed: a signal to its launcher's own process stops every rank too (the ranks watch it).
     stop = preempt.Stop(args.stop_after, agree=stop_agreement(group), watch=launcher_pid())
-    train_set, test_set, info = build_data(args)
+    train_set, test_set, info = build_data(args)  # collective
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = sampler.steps
-    # DeepSpeed: an engine checkpoint restores everything, into the engine; else any step's
-    # checkpoint-epochNNNN.pt gives the weights (before ZeRO shards them) and its epoch. Rank 0
-    # chooses either for every rank, and sends the .pt: no shared disk needed for that.
-    found = [engine_checkpoint(args) if rank == 0 else None]
+    # DeepSpeed: rank 0 chooses for every rank and sends a .pt, so no disk need be shared.
+    found = [choose_checkpoint(args) if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # collective
-    found, progress = found[0], (0, 0, {})
-    if not found:
-        whole = [checkpoint.find(args) if rank == 0 else None]
-        dist.broadcast_object_list(whole, src=0)  # collective
-        progress = checkpoint.resume(args, state=whole[0], model=model, verbose=rank == 0)
-    start_epoch, global_step, part_done = progress
-    # DeepSpeed: the schedule starts after the steps done (a part-way epoch's by progress).
+    found, progress = found[0][0], checkpoint.resume(found[0][1], model, verbose=rank == 0)
+    start_epoch, _, part_done = progress
+    # DeepSpeed: the schedule and step count start after the steps done.
     start_step = start_epoch * steps_per_epoch + sampler.steps_done(part_done.get(start_epoch + 1))
-    engine = build_optimizer(args, model, steps_per_epoch, amp_dtype, start_step)
-    if found:
-        start_epoch, global_step, part_done = resume(args, engine, found, rank)  # collective
-    # DeepSpeed: the ranks compare their epoch, step and whole weights (ZeRO gathers them); if one
-    # differs, every rank stops.
-    mine = checkpoint.position((start_epoch, global_step), full_weights(engine))  # collective
-    positions = [None] * world_size
-    dist.all_gather_object(positions, mine)  # collective
-    checkpoint.agree(positions)
+    config = build_config(args, amp_dtype)
+    if rank == 0:
+        print(f"DeepSpeed config: {json.dumps(config, separators=(',', ':'))}")
+    scheduler = functools.partial(build_scheduler, args, steps_per_epoch, start_step)
+    engine = build_optimizer(model, config, scheduler)  # collective
+    engine.global_steps = start_step
+    start_epoch, _, part_done = resume(engine, found, progress)  # collective
     if args.compile:
         engine.compile()
     log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
@@ -328,16 +326,15 @@ def main(argv=None):
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        # DeepSpeed: its step count includes fp16 overflows; it never syncs buffers: rank 0's go.
-        row = train_one_epoch(args, engine, train_loader, device, stop, meter)
+        # DeepSpeed: the engine trains; it never syncs buffers, so every rank takes rank 0's.
+        row = train_one_epoch(args, engine, train_loader, device, stop, meter)  # collective
         row = {"epoch": epoch, **row}
-        global_step = engine.global_steps
         for buffer in engine.module.buffers():
             dist.broadcast(buffer, 0)  # collective
         if not row.get("partial"):
-            row.update(evaluate(args, engine, test_loader, device))
+            row.update(evaluate(args, engine, test_loader, device))  # collective
         # DeepSpeed: every rank saves its shard; rank 0 the weights, the others wait at the barrier.
-        save_checkpoint(args, epoch, global_step, engine, row, info)  # collective
+        save_checkpoint(args, engine, row, info)  # collective
         log.epoch(row)
         dist.barrier()  # collective
         if stop.leave(epoch, start_epoch, args.epochs):  # collective
@@ -352,14 +349,14 @@ def main(argv=None):
     return stop.exit_status()
 
 
-# DDP: no launcher: rank 0 of 1, at a port the OS picks (MASTER_PORT 0).
+# DDP: without a launcher, this process is rank 0 of 1, at a port the OS picks (MASTER_PORT 0).
 def be_a_group_of_one():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or "0"
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
-# DeepSpeed: it cannot re-partition SGD's state: another number of processes is one line.
+# DeepSpeed: it cannot re-partition SGD's state for another number of processes.
 def refuse_other_process_counts(found):
     folder, ranks = os.path.join(*found), dist.get_world_size()
     shards = [name for name in os.listdir(folder) if name.endswith("optim_states.pt")]
@@ -370,35 +367,33 @@ def refuse_other_process_counts(found):
                  f"weights (momentum starts again) with --resume {weights}")
 
 
-# plumbing: DeepSpeed, quiet: told of a CPU before it loads (else every rank warns of no GPU), no
-# warnings about two calls of ZeRO or SGD ("untested"); missing: one line with the fix, exit 2.
-def import_deepspeed():
-    if not torch.accelerator.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed: ZeRO 0's fp32 weights in 16 bits, which no public call gives (safe_get_full_fp32_param
+# answers None there).
+def zero0_fp32_masters(optimizer):
+    pairs = zip(getattr(optimizer, "fp16_groups", []), getattr(optimizer, "fp32_groups", []))
+    return {id(low): high for lows, highs in pairs for low, high in zip(lows, highs)}
+
+
+# DeepSpeed: no run-time switch skips its CPU op for inference (DS_BUILD_SHM_COMM acts at install).
+def skip_shm_op_build():
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+# plumbing: no torch deprecation warnings from ZeRO, no "untested" SGD warning.
+def quiet_deepspeed():
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
-    try:
-        import deepspeed
-    except ImportError as error:
-        print(f"error: DeepSpeed is not importable by {sys.executable} ({error}): install it with "
-              f"`{sys.executable} -m pip install deepspeed==0.19.8`", file=sys.stderr)
-        sys.exit(2)
     def not_about_sgd(record):
         return "untested optimizer" not in record.getMessage()
     deepspeed.utils.logger.addFilter(not_about_sgd)
-    return deepspeed
 
 
-# plumbing: the deepspeed runner (the launcher's own process, parent of the launch.py that started
-# this rank), or None under another launcher.
+# plumbing: the deepspeed runner's process id (launch.py's parent), or None.
 def launcher_pid():
     parent = psutil.Process(os.getppid())
     if "deepspeed.launcher.launch" in " ".join(parent.cmdline()):
         return parent.ppid()
     return None
 
-
-# plumbing: the module that every function above calls `deepspeed`.
-deepspeed = import_deepspeed()
 
 if __name__ == "__main__":
     sys.exit(main())

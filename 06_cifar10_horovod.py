@@ -10,6 +10,7 @@ averages gradients by allreduce; broadcasts copy rank 0's weights, optimizer sta
 import functools
 import os
 import sys
+from collections import namedtuple
 
 import torch
 import torch.multiprocessing as mp
@@ -28,7 +29,7 @@ except ImportError as error:
     print(f"error: Horovod is not importable by {sys.executable} ({error}): build it for this "
           f"torch with `PYTHON={sys.executable} bash scripts/install_horovod.sh`", file=sys.stderr)
     sys.exit(2)
-# Horovod: DataLoader workers start from a forkserver: forks of Horovod's threads are not safe.
+# Horovod: DataLoader workers start from a forkserver, since forking Horovod's threads is unsafe.
 mp.set_start_method("forkserver", force=True)
 mp.set_forkserver_preload(["common", "horovod.torch"])
 
@@ -47,14 +48,14 @@ def parse_args(argv=None):
 
 
 def setup(args):
-    # Horovod: join horovodrun's processes (plain python: a group of one); rank, size, local rank.
+    # Horovod: join horovodrun's processes (under plain python, a group of one).
     hvd.init()  # collective
     rank, world_size, args.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
     # GPU: the machine's GPU (CUDA, ROCm, XPU or MPS), else the CPU; cuDNN times its kernels once.
     device = torch.accelerator.current_accelerator(check_available=True)
     # Horovod: NCCL moves CUDA tensors, Gloo CPU ones; its SyncBatchNorm needs CUDA (see below).
     check_horovod_device(args, device)
-    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU: one line, exit 2.
+    # plumbing: a local rank without a GPU, or --sync-bn without CUDA or XPU, stops in one line.
     check_device(args, device)
     if device is not None:
         # DDP: one GPU per process, chosen by its local rank, its default device from now on.
@@ -63,10 +64,9 @@ def setup(args):
         torch.backends.cudnn.benchmark = True
     else:
         device = torch.device("cpu")
-        # plumbing: one line, not one per process.
         if rank == 0:
             print("no GPU found: running on the CPU")
-    # Horovod: rank 0 reads --resume's settings (or its error) for every rank: no shared disk.
+    # Horovod: rank 0 reads --resume's settings (or its error) and sends them; no disk is shared.
     settings = checkpoint.settings(args) if rank == 0 else None
     settings = hvd.broadcast_object(settings, root_rank=0, name="settings")  # collective
     settings.apply(args)
@@ -74,7 +74,7 @@ def setup(args):
     return device, amp_dtype(args.amp, device), rank, world_size
 
 
-# Horovod: any rank's stop signal stops all after the same step: an async max, read 8 steps on.
+# Horovod: a stop signal on any rank stops all after the same step (an async max, read 8 later).
 def stop_agreement(flag):
     handle = hvd.allreduce_async_(flag, op=hvd.Max, name="stop")  # collective
     return functools.partial(hvd.synchronize, handle)
@@ -90,7 +90,7 @@ def build_data(args):
 
 
 def build_loaders(args, train_set, test_set):
-    # Horovod: the sampler takes its rank and size: each rank trains a disjoint shard of one random
+    # Horovod: the sampler takes its rank and size; each rank trains a disjoint shard of one random
     # order per epoch, from (seed, epoch) alone. A resumed epoch starts after the steps done.
     order = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True,
                                seed=args.seed)
@@ -117,9 +117,9 @@ def build_model(args, info):
 
 
 def prepare_model(args, model, device):
-    # Horovod: the weights stay NCHW: its broadcast and allreduce refuse channels_last tensors.
+    # Horovod: the weights stay NCHW, as its broadcast and allreduce refuse channels_last tensors.
     model = model.to(device)
-    # Horovod: --sync-bn: its SyncBatchNorm for each batch norm, same names (checkpoints unchanged).
+    # Horovod: with --sync-bn, its SyncBatchNorm replaces each batch norm under the same name.
     if args.sync_bn:
         norms = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
         for name, norm in norms:
@@ -127,7 +127,7 @@ def prepare_model(args, model, device):
             sync.load_state_dict(norm.state_dict())
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, sync)
-    # Horovod: no wrapper: DistributedOptimizer averages gradients; resume() broadcasts weights.
+    # Horovod: no wrapper; DistributedOptimizer averages gradients and resume() broadcasts weights.
     return model
 
 
@@ -145,8 +145,12 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
     return optimizer, scheduler, scaler
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, amp_dtype, stop,
-                    meter):
+# The model and what trains it, on which device and in which precision: what the loop works with.
+Training = namedtuple("Training", "model optimizer scheduler scaler device amp_dtype")
+
+
+def train_one_epoch(args, training, loader, stop, meter):
+    model, optimizer, scheduler, scaler, device, amp_dtype = training
     model.train()
     # The loss sum and the sample count stay on the device: no wait for them per step.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -171,7 +175,7 @@ def train_one_epoch(args, model, loader, optimizer, scheduler, scaler, device, a
             optimizer.zero_grad()
         totals[0] += loss.detach() * len(labels)
         totals[1] += len(labels)
-        meter.batch_done()
+        meter.batch_done(loss)
         # DDP: a stop signal on any rank ends every rank's epoch after the same optimizer step.
         if last_pass and stop.requested(step // args.grad_accum + 1):  # collective
             break
@@ -201,27 +205,28 @@ def evaluate(args, model, loader, device, amp_dtype):
     return {"test_loss": loss_sum / count, "test_acc": correct / count}
 
 
-def save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row, info):
-    # Horovod: no wrapper: the model's own state, as every step saves it.
-    return checkpoint.save(args.out_dir, step=STEP, arch=args.arch, epoch=epoch,
-                           global_step=global_step, model_state=model.state_dict(),
-                           optimizer=optimizer, scheduler=scheduler, scaler=scaler, args=args,
-                           metrics=row, synthetic=info.synthetic)
+def save_checkpoint(args, training, row, info):
+    # Horovod: no wrapper, so the model's own state, as every step saves it.
+    state = {"step": STEP, "model": training.model.state_dict(),
+             "optimizer": training.optimizer.state_dict(),
+             "scheduler": training.scheduler.state_dict(), "scaler": training.scaler.state_dict(),
+             "global_step": training.scheduler.last_epoch, "synthetic": info.synthetic}
+    return checkpoint.save(args, row, state)
 
 
-def resume(args, model, optimizer, scheduler, scaler):
+def resume(args, training):
     # Horovod: rank 0 alone reads the checkpoint, then broadcasts its progress, schedule and scale.
+    model, optimizer, scheduler, scaler = training[:4]
     found = (0, 0, {})
     if hvd.rank() == 0:
-        found = checkpoint.resume(args, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler)
+        found = checkpoint.resume(checkpoint.find(args), model, optimizer, scheduler, scaler)
     state = (*found, scheduler.state_dict(), scaler.state_dict(), bool(optimizer.state))
     epoch, global_step, part_done, schedule, scale, momentum = hvd.broadcast_object(
         state, root_rank=0, name="resume")  # collective
     scheduler.load_state_dict(schedule)
     if scale:
         scaler.load_state_dict(scale)
-    # Horovod: then its momentum (if the checkpoint had any: else a zero-gradient step) and weights.
+    # Horovod: then its momentum (if the checkpoint had any, else a zero-gradient step) and weights.
     if momentum:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # collective
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # collective
@@ -234,37 +239,34 @@ def resume(args, model, optimizer, scheduler, scaler):
 @exits_cleanly
 def main(argv=None):
     args = parse_args(argv)
-    device, amp_dtype, rank, world_size = setup(args)
-    # Horovod: SIGTERM or SIGUSR1 on any rank: all finish the same step, save, exit 75.
+    device, amp_dtype, rank, world_size = setup(args)  # collective
+    # Horovod: after SIGTERM or SIGUSR1 on any rank, all finish the same step, save and exit 75.
     stop = preempt.Stop(args.stop_after, agree=stop_agreement)
-    train_set, test_set, info = build_data(args)
+    train_set, test_set, info = build_data(args)  # collective
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
-    steps_per_epoch = sampler.steps
-    optimizer, scheduler, scaler = build_optimizer(args, model, steps_per_epoch, device, amp_dtype)
-    start_epoch, global_step, part_done = resume(args, model, optimizer, scheduler,
-                                                 scaler)  # collective
-    # --compile: the compiled model shares the weights; checkpoints save `model`.
-    train_model = torch.compile(model) if args.compile else model
-    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, steps_per_epoch)
+    optimizer, scheduler, scaler = build_optimizer(args, model, sampler.steps, device, amp_dtype)
+    training = Training(model, optimizer, scheduler, scaler, device, amp_dtype)
+    start_epoch, _, part_done = resume(args, training)  # collective
+    # --compile: the model's forward, compiled in place (its weights and their names stay).
+    if args.compile:
+        model.compile()
+    log, meter = metrics.Log(STEP, args, start_epoch, info), metrics.Meter(args, sampler.steps)
     log.start(device, amp_dtype, train_loader)
 
     for epoch in range(start_epoch + 1, args.epochs + 1):
         # A new order each epoch; after a stop part-way through it, only the steps not done yet.
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
-        row = train_one_epoch(args, train_model, train_loader, optimizer, scheduler, scaler, device,
-                              amp_dtype, stop, meter)
+        row = train_one_epoch(args, training, train_loader, stop, meter)  # collective
         row = {"epoch": epoch, **row}
         # Horovod: rank 0's batch-norm statistics on every rank (its optimizer averages gradients).
         hvd.broadcast_parameters(dict(model.named_buffers()), root_rank=0)  # collective
-        # The schedule counts optimizer steps. An epoch stopped part-way is saved, not evaluated.
-        global_step = scheduler.last_epoch
+        # An epoch stopped part-way is saved, not evaluated.
         if not row.get("partial"):
-            row.update(evaluate(args, train_model, test_loader, device, amp_dtype))
+            row.update(evaluate(args, model, test_loader, device, amp_dtype))  # collective
         # Horovod: rank 0 writes alone; its barrier keeps the others from running ahead meanwhile.
         if rank == 0:
-            save_checkpoint(args, epoch, global_step, model, optimizer, scheduler, scaler, row,
-                            info)
+            save_checkpoint(args, training, row, info)
         log.epoch(row)
         hvd.barrier()  # collective
         if stop.leave(epoch, start_epoch, args.epochs):  # collective

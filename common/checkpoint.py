@@ -9,6 +9,7 @@ are kept (of the part-way ones only the newest), each written to a temporary fil
 place: a crash, even SIGKILL during the save, never leaves a truncated file under a checkpoint name.
 Tensors are saved in the plain layout."""
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -18,9 +19,9 @@ import re
 import shutil
 import sys
 import typing
+import warnings
 
 import torch
-import torch.utils._pytree
 
 from .cli import UserError, brief, processes, rank
 
@@ -64,27 +65,37 @@ def _restore_rng(rng):
                 lambda states: module.set_rng_state(states[0]))(saved["states"])
 
 
-def _state(obj):
-    """An optimizer's, scheduler's or scaler's state_dict(), or the state itself (or None)."""
-    return obj.state_dict() if hasattr(obj, "state_dict") else obj
+def _plain_layout(obj):
+    """Every tensor in nested dicts, lists and tuples, in the plain layout (--channels-last keeps
+    NHWC)."""
+    if torch.is_tensor(obj):
+        return obj.contiguous()
+    if isinstance(obj, dict):
+        return {key: _plain_layout(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain_layout(value) for value in obj)
+    return obj
 
 
-def save(out_dir, *, step, arch, epoch, global_step, model_state, optimizer=None, scheduler=None,
-         scaler=None, args=None, metrics=None, synthetic=False, keep=3, rng=None, ran_on=None):
-    """Write the checkpoint of epoch `epoch` (its row: `metrics`) atomically; keep the newest
-    `keep`. Returns the path. The optimizer, scheduler and scaler: objects or their state_dicts;
-    rng and ran_on (processes): this process's, unless given (scripts/dcp_to_pt.py)."""
-    done = epoch - 1 if (metrics or {}).get("partial") else epoch
-    items = vars(args).items() if args else ()
-    plain = {k: v for k, v in items if isinstance(v, (str, int, float, bool)) or v is None}
-    state = {"format": FORMAT, "step": step, "arch": arch, "model": model_state,
-             "optimizer": _state(optimizer), "scheduler": _state(scheduler),
-             "scaler": _state(scaler), "epoch": done, "global_step": global_step,
-             "rng": rng or rng_states(), "processes": ran_on or processes(),
-             "metrics": metrics or {}, "synthetic": bool(synthetic), "args": plain}
-    # --channels-last keeps NHWC.
-    state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, state)
-    path = checkpoint_path(out_dir, epoch, metrics)
+def _with_run(args, row, state):
+    """`state` with what every checkpoint holds added unless given: the run's arch, plain settings,
+    epochs done, processes, random state and row."""
+    plain = {k: v for k, v in vars(args).items()
+             if isinstance(v, (str, int, float, bool)) or v is None}
+    return {"format": FORMAT, "arch": args.arch, "scheduler": None, "scaler": None,
+            "epoch": row["epoch"] - 1 if row.get("partial") else row["epoch"], "rng": rng_states(),
+            "processes": processes(), "metrics": row, "synthetic": False, "args": plain, **state}
+
+
+def save(args, row, state, keep=3):
+    """Write the checkpoint of row's epoch (row: its metrics.jsonl row, or a part-way epoch's so
+    far) into args.out_dir atomically; keep the newest `keep`. Returns the path. `state`: what the
+    step saves (step, model, optimizer, scheduler and scaler state_dicts, global_step, synthetic);
+    the run's arch, settings, epochs done, processes and random state are added unless given
+    (scripts/dcp_to_pt.py gives them)."""
+    epoch, out_dir = row["epoch"], args.out_dir
+    state = _plain_layout({"optimizer": None, **_with_run(args, row, state)})
+    path = checkpoint_path(out_dir, epoch, row)
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(out_dir, exist_ok=True)
     try:
@@ -166,27 +177,65 @@ def _newest(folder):
                                     default="none"))
 
 
-def dcp_folders(out_dir):
-    """Step 08's complete DCP checkpoints in out_dir (dcp/epochNNNN[-stepSSSSSS]; a save still
-    being written, or killed, is epochNNNN.tmp), newest first."""
-    return sorted(glob.glob(os.path.join(glob.escape(out_dir), DCP_DIR, "epoch*[0-9]")),
-                  reverse=True)
+def dcp_folders(folder):
+    """The complete checkpoints in step 08's dcp/ `folder`, newest first: epochNNNN[-stepSSSSSS]
+    with DCP's .metadata, which rank 0 writes last, once every rank's shards are written."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return [os.path.join(folder, name) for name in sorted(names, reverse=True)
+            if TAG.fullmatch(name) and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+
+
+def dcp_path(out_dir, row):
+    """Step 08's folder for row's epoch: out_dir/dcp/epochNNNN[-stepSSSSSS] (as checkpoint_path)."""
+    name = os.path.basename(checkpoint_path(out_dir, row["epoch"], row))
+    return os.path.join(out_dir, DCP_DIR, name.removeprefix("checkpoint-").removesuffix(".pt"))
+
+
+def save_position(args, row, state, keep=3):
+    """Step 08's counterpart of save(), before every rank writes its shards there: row's folder
+    (dcp_path) made afresh, holding position.json (what save() writes but the model and the
+    optimizer, which DCP writes). Of the other folders, unfinished ones and part-way ones (a newer
+    save supersedes them, as a .pt's) are removed and the newest keep-1 complete ones kept. Returns
+    the folder. The other ranks may make the folder first (DCP's writer makes it before its
+    collective plan, in which it waits for rank 0), and write their shards after it."""
+    folder = dcp_path(args.out_dir, row)
+    kept = [old for old in dcp_folders(os.path.dirname(folder))
+            if "-step" not in os.path.basename(old)][:keep - 1]
+    for old in glob.glob(os.path.join(glob.escape(os.path.dirname(folder)), "epoch*")):
+        if old == folder or old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "position.json"), "w") as f:
+            json.dump(_with_run(args, row, state), f, default=torch.Tensor.tolist)  # rng: lists
+    except OSError as error:
+        raise UserError(f"cannot write {folder} ({error.strerror}); the previous checkpoints are "
+                        "untouched: free disk space or pick a writable --out-dir, then "
+                        "--resume auto") from None
+    return folder
 
 
 def dcp_header(folder):
-    """The plain values step 08 writes beside a DCP checkpoint (position.json: its run's settings,
-    as a .pt holds them, and its position), what settings() needs of it."""
+    """What step 08 writes beside its shards (position.json: a .pt's contents but the model and
+    optimizer), as load() gives a .pt's."""
     try:
         with open(os.path.join(folder, "position.json")) as f:
-            return json.load(f)
+            position = json.load(f)
     except (OSError, ValueError) as error:  # not 08's, or damaged
         raise UserError(f"{folder} has no readable position.json of step 08 ({error}); resume "
                         "an older one") from None
+    if "rng" not in position:  # written by 08 before its random state moved here (2026-11-29)
+        raise UserError(f"{folder} was written by an earlier step 08, which kept its random state "
+                        "in the shards: continue it with that version, or start anew")
+    rng, as_bytes = position["rng"], functools.partial(torch.tensor, dtype=torch.uint8)
+    states = [as_bytes(state) for state in (rng["device"] or {}).get("states", ())]
+    device = rng["device"] and {**rng["device"], "states": states}
+    return {**position, "rng": {"torch": as_bytes(rng["torch"]), "device": device}}
 
 
 def _beside(folder):
-    """The checkpoint-epochNNNN.pt that 05 or 08 writes with a folder of its own checkpoints (or
-    with their newest), whether it is there or not."""
+    """The checkpoint-epochNNNN.pt beside a folder of 05's or 08's own checkpoints (or beside their
+    newest), whether it is there or not: 05 writes it with each, scripts/dcp_to_pt.py makes 08's."""
     epoch = os.path.abspath(_newest(folder))
     return os.path.join(os.path.dirname(os.path.dirname(epoch)),
                         f"checkpoint-{os.path.basename(epoch)}.pt")
@@ -196,32 +245,30 @@ def library_folder(path):
     """(kind, the folder to resume) of a folder of the libraries' own checkpoints, or (None, path):
     "deepspeed", 05's engine checkpoint (ds_checkpoints/ with its `latest` file, or one epoch's
     folder of *model_states.pt); "dcp", 08's torch.distributed.checkpoint shards (a folder with a
-    .metadata file, or dcp/ holding them: the newest)."""
+    .metadata file, or dcp/ holding them: the newest complete one)."""
     path = os.path.normpath(path)
     if (os.path.isfile(os.path.join(path, "latest"))
             or glob.glob(os.path.join(glob.escape(path), "*model_states.pt"))):
         return "deepspeed", path
-    for folder in (path, _newest(path)):
-        if os.path.isfile(os.path.join(folder, ".metadata")):
-            return "dcp", folder
-    return None, path
+    folders = [path] if os.path.isfile(os.path.join(path, ".metadata")) else dcp_folders(path)
+    return ("dcp", folders[0]) if folders else (None, path)
 
 
 def _not_a_file(path):
     """load()'s line for a folder: 05's or 08's own checkpoint, which only that step resumes (any
-    step resumes the checkpoint-epochNNNN.pt it writes beside it), or some other folder."""
+    step resumes the checkpoint-epochNNNN.pt beside it: 05 writes it, scripts/dcp_to_pt.py makes
+    08's), or some other folder."""
     kind, folder = library_folder(path)
     if kind is None:
         return (f"--resume {path} is a folder, not a checkpoint file: pass a "
                 "checkpoint-epochNNNN.pt, or --resume auto to pick the newest in --out-dir")
-    step, script = ("05", "05_cifar10_deepspeed.py") if kind == "deepspeed" else (
-        "08", "08_cifar10_fsdp.py")
+    script = "05_cifar10_deepspeed.py" if kind == "deepspeed" else "08_cifar10_fsdp.py"
     beside = _beside(folder)
-    shown = f"the checkpoint-epochNNNN.pt that {step} wrote into the same --out-dir"
+    shown = "the checkpoint-epochNNNN.pt that 05 wrote into the same --out-dir"
     if os.path.isfile(beside):
         shown = beside if os.path.relpath(beside).startswith(os.pardir) else os.path.relpath(beside)
-    elif kind == "dcp":  # 08 writes it at the end of a run: after a crash, the converter
-        shown = f"the file `python scripts/dcp_to_pt.py {_newest(folder)}` makes of it"
+    elif kind == "dcp":
+        shown = f"the checkpoint-epochNNNN.pt that `python scripts/dcp_to_pt.py {path}` makes of it"
     which = "it" if folder == os.path.normpath(path) else folder
     if kind == "deepspeed":
         return (f"--resume {path} is a DeepSpeed checkpoint folder (step 05's engine checkpoint), "
@@ -254,13 +301,24 @@ def _find(resume, out_dir, arch, verbose):
         print(f"no checkpoint in {out_dir}: starting from scratch")
 
 
-def find(args, verbose=True):
-    """The checkpoint --resume names (auto: the newest readable one in --out-dir), loaded; {} if
-    there is none to continue; {"error": its line} if it cannot be continued, which resume() raises
-    on every rank. Rank 0 calls it and sends what it found to the others, whose disks may hold
-    another --out-dir or none."""
+def _find_dcp(resume, out_dir):
+    """Step 08's: the DCP folder --resume names (auto: the newest complete one in out_dir) as its
+    position with "dcp": the folder, or None."""
+    folders = dcp_folders(os.path.join(out_dir, DCP_DIR)) if resume == "auto" else []
+    if resume not in (None, "auto") and os.path.isdir(resume):
+        kind, folder = library_folder(resume)
+        folders = [folder] if kind == "dcp" else []
+    return {**dcp_header(folders[0]), "dcp": folders[0]} if folders else None
+
+
+def find(args, verbose=True, dcp=False):
+    """The checkpoint --resume names (auto: the newest readable one in --out-dir; dcp: step 08's
+    DCP folders first), loaded; {} if there is none to continue; {"error": its line} if it cannot be
+    continued, which resume() raises on every rank. Rank 0 calls it and sends what it found to the
+    others, whose disks may hold another --out-dir or none."""
     try:
-        return _find(args.resume, args.out_dir, args.arch, verbose) or {}
+        found = _find_dcp(args.resume, args.out_dir) if dcp else None
+        return found or _find(args.resume, args.out_dir, args.arch, verbose) or {}
     except UserError as error:
         return {"error": str(error)}
 
@@ -296,16 +354,13 @@ def check_seen(seen, folder, kind):
                         "docs/checkpoints.md)")
 
 
-def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scaler=None,
-           verbose=True, says=""):
-    """Continue what --resume names (or `state`: the checkpoint rank 0 found and sent, {} for none,
-    or one a library's own load gave): its states
-    into the objects given (each with load_state_dict(), or a function that takes the state), and
-    the RNGs; with verbose, one line says so (+ `says`). Returns (epochs done, optimizer steps done,
-    {epoch: the row of a run stopped part-way in it}), or (0, 0, {}). Under other batch arithmetic a
-    LambdaLR schedule goes on by progress (epochs done), not step count."""
-    if state is None:
-        state = find(args, verbose)
+def resume(state, model=None, optimizer=None, scheduler=None, scaler=None, verbose=True):
+    """Continue `state`: the checkpoint that find() gave (on rank 0, sent to every rank), {} for
+    none, or the position a library's own load gave. Its states go into the objects given (each
+    with load_state_dict(), or a function that takes the state), and the RNGs; with verbose, one
+    line says so. Returns (epochs done, optimizer steps done, {epoch: the row of a run stopped
+    part-way in it}), or (0, 0, {}). Under other batch arithmetic a LambdaLR schedule goes on by
+    progress (epochs done), not step count."""
     if "error" in state:
         raise UserError(state["error"])
     if not state:
@@ -333,8 +388,9 @@ def resume(args, *, state=None, model=None, optimizer=None, scheduler=None, scal
         where = (f"step {row['steps']} of {row['of_steps']} in epoch {row['epoch']}"
                  if row.get("partial") else f"epoch {state['epoch']}")
         # Step 05 reads, or wrote, weights only.
-        weights = model is not None and None in (optimizer, state.get("optimizer"))
-        print(f"resumed from {where} (written by {state.get('step', 'an earlier run')}){says}"
+        weights = None not in (model, state.get("model")) and None in (optimizer,
+                                                                       state.get("optimizer"))
+        print(f"resumed from {where} (written by {state.get('step', 'an earlier run')})"
               + ": weights only, momentum starts from zero" * weights)
     return state["epoch"], global_step, ({row["epoch"]: row} if row.get("partial") else {})
 
@@ -361,12 +417,18 @@ def _continue_schedule(scheduler, state, row, global_step):
                       f"run {steps_now}: the learning-rate schedule continues by progress, at "
                       f"step {global_step} (epochs done: {state['epoch']}), not at the "
                       f"checkpoint's step {before}")
-        scheduler.last_epoch = global_step  # where the schedule is after that many steps
-        for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                          scheduler.lr_lambdas):
-            group["lr"] = base_lr * factor(global_step)
-        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        _place_schedule(scheduler, global_step)
     return global_step
+
+
+def _place_schedule(scheduler, global_step):
+    """Put a scheduler where `global_step` optimizer steps take it: its public step() sets every
+    group's learning rate and get_last_lr() (a scheduler has no public setter for them). step()
+    warns that it runs before optimizer.step(), which is the point here."""
+    scheduler.last_epoch = global_step - 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
+        scheduler.step()
 
 
 class Settings(typing.NamedTuple):
@@ -382,33 +444,40 @@ class Settings(typing.NamedTuple):
             setattr(args, name, value)
 
 
-def settings(args):
+def settings(args, dcp=False):
     """Make --out-dir this run's (make_out_dir), and with --resume find the settings of the run it
     continues: every setting not typed (args.given) comes from the checkpoint, so `--resume auto`
-    alone continues it. It reads files: rank 0 calls it and shares the result, so that hosts without
-    a shared disk agree; apply(args) on every rank."""
+    alone continues it (dcp: step 08's DCP folders first). It reads files: rank 0 calls it and
+    shares the result, so that hosts without a shared disk agree; apply(args) on every rank."""
     try:
-        values = _settings_to_continue(args)
+        values = _settings_to_continue(args, dcp)
         make_out_dir(args.out_dir, args.resume, args.overwrite)
         return Settings(values)
     except UserError as error:
         return Settings({}, str(error))
 
 
-def _settings_to_continue(args):
+def _settings_to_continue(args, dcp):
     """{setting: value} of the checkpoint's run; a typed --arch that differs stops; a new number of
-    processes or of --epochs is said in one line. A folder of 05's or 08's own checkpoints: the
-    checkpoint-epochNNNN.pt beside it."""
+    processes or of --epochs is said in one line. A folder of 05's or 08's own checkpoints: 08's
+    position.json, or the checkpoint-epochNNNN.pt beside it."""
     # Nothing to continue, or a new start.
     if args.resume is None or (args.resume == "auto" and args.overwrite):
         return {}
     found = [args.resume]
-    if args.resume == "auto":  # 08: its newest DCP folder first (after a crash, the only one)
-        found = dcp_folders(args.out_dir)[:1] + list_checkpoints(args.out_dir)
+    if args.resume == "auto":
+        found = list_checkpoints(args.out_dir)
+        newest = dcp_folders(os.path.join(args.out_dir, DCP_DIR))[:1]
+        if newest and not (dcp or found):
+            raise UserError(f"--resume auto: {args.out_dir} holds step 08's DCP checkpoints only, "
+                            "which only 08_cifar10_fsdp.py resumes: continue with that step, or "
+                            "with this one from the checkpoint-epochNNNN.pt that `python "
+                            f"scripts/dcp_to_pt.py {os.path.join(args.out_dir, DCP_DIR)}` makes")
+        found = newest + found if dcp else found
     elif os.path.isdir(args.resume):
         # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
         kind, folder = library_folder(args.resume)
-        beside = _beside(args.resume)
+        beside = _beside(folder)
         found = [folder] if kind == "dcp" else []  # 08's settings, beside its shards
         if os.path.isfile(beside):
             found.append(beside)
@@ -480,7 +549,9 @@ def make_out_dir(out_dir, resume=None, overwrite=False):
             raise UserError(f"--overwrite would delete --resume {resume}: "
                             f"copy it out of {out_dir} first")
         print(f"--overwrite: replacing the run in {out_dir} ({held[0]} and its metrics)")
-        for name in held + [ENGINE_DIR, DCP_DIR, "metrics.jsonl", "training_curves.png"]:
+        events = [os.path.basename(path) for path in glob.glob(
+            os.path.join(glob.escape(out_dir), "events.out.tfevents.*"))]
+        for name in held + events + [ENGINE_DIR, DCP_DIR, "metrics.jsonl", "training_curves.png"]:
             path = os.path.join(out_dir, name)
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -3,11 +3,11 @@
     python scripts/dcp_to_pt.py RUN/dcp/epoch0003      # -> RUN/checkpoint-epoch0003.pt
     python scripts/dcp_to_pt.py RUN/dcp --out-dir DIR  # the newest complete one, into DIR
 
-Step 08 gathers that file itself once, when its run ends or stops; after a crash its newest state
-is in dcp/ alone. This gathers it on one process, without a GPU and without the model's code: the
-whole model and optimizer state (torch's dcp_to_torch_save), the optimizer re-keyed by parameter
-index as torch.optim keys it, and the run's settings, position and random state that 08 keeps in
-the folder. Any step then continues it (`--resume DIR/checkpoint-epoch0003.pt`), 08 too.
+Step 08 writes DCP folders only. This gathers one on one process, without a GPU and without the
+model's code: the whole model and optimizer state (torch's dcp_to_torch_save), the optimizer
+re-keyed by parameter index as torch.optim keys it, and the run's settings, position and random
+state from the folder's position.json. Any step then continues it
+(`--resume DIR/checkpoint-epoch0003.pt`), 08 too.
 Reading a DCP folder unpickles its .metadata: convert only folders you trust.
 """
 import argparse
@@ -53,17 +53,12 @@ def main(argv=None):
         dcp_to_torch_save(folder, os.path.join(tmp, "whole.pt"))
         whole = torch.load(os.path.join(tmp, "whole.pt"), weights_only=True)
     names = [name for group in whole["optim"]["param_groups"] for name in group["params"]]
-    row = position["metrics"]
+    optimizer = by_index(whole["optim"], {name: i for i, name in enumerate(names)})
     out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-    path = checkpoint.save(
-        out_dir, step=position["step"], arch=position["arch"],
-        epoch=position["epoch"] + bool(row.get("partial")), global_step=position["global_step"],
-        model_state=whole["model"],
-        optimizer=by_index(whole["optim"], {name: i for i, name in enumerate(names)}),
-        scheduler=position["scheduler"], scaler=position["scaler"],
-        args=types.SimpleNamespace(**position["args"]), metrics=row,
-        synthetic=position["synthetic"], rng={"torch": whole["rng"], "device": None},
-        ran_on=position["processes"])
+    # The run's settings, position and random state are position.json's, not this process's.
+    run = types.SimpleNamespace(out_dir=out_dir, arch=position["arch"])
+    row = position["metrics"]
+    path = checkpoint.save(run, row, {**position, "model": whole["model"], "optimizer": optimizer})
     print(f"wrote {path} ({position['step']}'s epoch {position['epoch']}"
           + (f", {row['steps']} steps into the next" if row.get("partial") else "") + ")")
 

@@ -257,15 +257,15 @@ def compute_rate(flags, data, device):
     dtype, model = step["amp_dtype"](args.amp, device), step["prepare_model"](
         args, step["build_model"](args, info), device)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, len(batches), device, dtype)
+    training = step["Training"](model, optimizer, scheduler, scaler, device, dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(int(launchers.env()["OMP_NUM_THREADS"]))  # as a run has
 
     def rate():  # one epoch of 02's loop over the batches on the device, no stop
         meter = metrics.Meter(args, len(batches) // args.grad_accum)
         meter.start(None, 0)
-        return step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, device,
-                                       dtype, types.SimpleNamespace(requested=lambda steps: False),
-                                       meter)["images_per_sec"]
+        no_stop = types.SimpleNamespace(requested=lambda steps: False)
+        return step["train_one_epoch"](args, training, batches, no_stop, meter)["images_per_sec"]
 
     rates = [rate() for _ in range(3)]
     torch.set_num_threads(threads)

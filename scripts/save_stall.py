@@ -7,8 +7,9 @@ Starts --processes CPU processes (gloo), builds step 08's model, optimizer and p
 momentum exists), then times, on rank 0, what each way of saving keeps the loop waiting for:
 `dcp.save` (every shard written before it returns), `dcp.async_save` (returns once the state is
 staged in memory; the writing goes on in the background: its total is shown beside it), and the
-whole state gathered for checkpoint-epochNNNN.pt (08's get_model_state_dict and
-get_optimizer_state_dict with full_state_dict, and rank 0's torch.save). The median of --repeats.
+whole state gathered for a checkpoint-epochNNNN.pt, which 08 no longer writes (get_model_state_dict
+and get_optimizer_state_dict with full_state_dict, and rank 0's torch.save). The median of
+--repeats.
 Its output is the table in docs/08-fsdp.md (tests/docs_outputs.py runs it again).
 """
 import argparse
@@ -68,7 +69,7 @@ def rank(index, args, port, folder, results):
     optimizer.step()
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
     rows = {"dcp.save": [], "dcp.async_save": [], "background writing": [],
-            "gathered .pt (once, at the end; before, every epoch)": []}
+            "gathered .pt (scripts/dcp_to_pt.py's, not 08's)": []}
     for repeat in range(args.repeats):
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
@@ -87,7 +88,7 @@ def rank(index, args, port, folder, results):
             if dist.get_rank() == 0:
                 torch.save({"model": model_whole, "optimizer": optim_whole},
                            f"{folder}/whole{repeat}.pt")
-        rows["gathered .pt (once, at the end; before, every epoch)"].append(timed(gathered)[0])
+        rows["gathered .pt (scripts/dcp_to_pt.py's, not 08's)"].append(timed(gathered)[0])
     if index == 0:
         results.update({k: statistics.median(v) for k, v in rows.items()})
     dist.barrier()

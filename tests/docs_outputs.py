@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -145,6 +146,56 @@ def learning_table():
     page.write_text(text)
 
 
+# The README's and results.md's TensorBoard screenshot: 01, 04 and 08 with the recipe above (1 x 64
+# and 2 x 32, fp32), 4 epochs, every 2nd step's loss; a real TensorBoard server, drawn by Debian's
+# chromium (headless). `--loss-every 2`: more points on the step curve than the default 10.
+SHOT = [(".venv/bin/python 01_cifar10_cpu.py", ONE), (f"{TORCHRUN} 04_cifar10_ddp.py", TWO),
+        (f"{TORCHRUN} 08_cifar10_fsdp.py", TWO)]
+CHROMIUM = ("chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+            "--disable-background-networking --disable-component-update --disable-sync "
+            "--hide-scrollbars --window-size=1400,1000 --virtual-time-budget=20000")
+
+
+def tensorboard_screenshot():
+    """docs/tensorboard.png from new runs, and the caption under each page's marker."""
+    subprocess.run(".venv/bin/python scripts/synthetic.py --data-dir /tmp/docs-data --train-size "
+                   "3000 --test-size 500", shell=True, cwd=REPO, check=True)
+    runs = Path("/tmp/docs-out/tensorboard")
+    shutil.rmtree(runs, ignore_errors=True)
+    for command, batch in SHOT:
+        name = re.search(r"(0\d_cifar10_\w+)\.py", command).group(1)
+        subprocess.run(f"{command} {batch} {RECIPE} --epochs 4 --loss-every 2 --out-dir "
+                       f"{runs / name}", shell=True, cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([str(REPO / ".venv/bin/tensorboard"), "--logdir", str(runs),
+                               "--host", "127.0.0.1", "--port", "6123"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(8)
+        with tempfile.TemporaryDirectory() as profile:
+            subprocess.run(f"{CHROMIUM} --user-data-dir={profile} --screenshot="
+                           f"{REPO / 'docs' / 'tensorboard.png'} "
+                           "'http://127.0.0.1:6123/?darkMode=false#timeseries'", shell=True,
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        server.terminate()
+    cpu, version = machine()
+    caption = (f"01 (1 x 64), 04 and 08 (2 x 32) in TensorBoard: `--arch cnn --amp off`, 4 epochs, "
+               f"`--loss-every 2`, on this repository's {cpu}, torch {version}, "
+               f"{datetime.date.today().isoformat()} (`.venv/bin/python tests/docs_outputs.py "
+               "tensorboard-screenshot`). 04 and 08 lie on one line.")
+    # The README is a map: the picture, and where it was made.
+    made = "How it was made: [results.md](docs/results.md#compare-runs-in-tensorboard)."
+    for page, image, text in (("README.md", "docs/tensorboard.png", made),
+                              ("docs/results.md", "tensorboard.png", caption)):
+        path = REPO / page
+        block = (f"<!-- tensorboard-screenshot -->\n![TensorBoard: 01, 04 and 08]({image})\n\n"
+                 f"{text}\n<!-- /tensorboard-screenshot -->")
+        text = re.sub(r"<!-- tensorboard-screenshot -->(.*?<!-- /tensorboard-screenshot -->)?",
+                      block, path.read_text(), count=1, flags=re.S)
+        path.write_text(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="the blocks to redo (default: all), or "
@@ -152,6 +203,8 @@ def main():
     args = parser.parse_args()
     if args.names == ["learning-table"]:
         return learning_table()
+    if args.names == ["tensorboard-screenshot"]:
+        return tensorboard_screenshot()
     today, cpu = datetime.date.today().isoformat(), machine()
 
     def block(m):

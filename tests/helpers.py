@@ -4,6 +4,7 @@ Every test starts the numbered scripts as separate processes, through the launch
 gives (python, torchrun, torch.distributed.launch, deepspeed, horovodrun), on a small
 synthetic CIFAR-10 written in the real on-disk format and read by torchvision's CIFAR10 class.
 """
+import argparse
 import contextlib
 import json
 import os
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from filelock import FileLock
@@ -200,6 +202,31 @@ def metrics(out_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def board(out_dir):
+    """The scalars of the TensorBoard event files in out_dir, as TensorBoard's own reader sees them
+    (an earlier attempt's purged): {tag: [(optimizer step, value)]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def assert_board_matches_metrics(out_dir):
+    """TensorBoard shows each finished epoch of metrics.jsonl once, at the optimizer step that ended
+    it, and each kept step's loss once at its step (as float32, which an event holds)."""
+    rows, scalars = metrics(out_dir), board(out_dir)
+    ends = [sum(row["steps"] for row in rows[:i + 1]) for i in range(len(rows))]
+    for key in ("train_loss", "test_loss", "test_acc", "lr", "images_per_sec"):
+        want = [(end, float(np.float32(row[key]))) for end, row in zip(ends, rows)]
+        assert scalars[f"epoch/{key}"] == want, (key, scalars[f"epoch/{key}"], want)
+    steps = [(start + step, float(np.float32(loss))) for start, row in zip([0, *ends], rows)
+             for step, loss in row["loss_steps"]]
+    assert steps and scalars["step/train_loss"] == steps, (scalars["step/train_loss"], steps)
+    return scalars
+
+
 def digests(out_dir):
     """{rank: sha256 of that rank's final weights} from weights-rankN.sha256 files."""
     return {int(p.stem.split("rank")[1]): p.read_text().strip()
@@ -214,6 +241,20 @@ def latest_checkpoint(out_dir):
 
 def load_checkpoint(path):
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def write_checkpoint(out_dir, *, args=None, metrics=None, keep=3, **fields):
+    """checkpoint.save as a step calls it, from a test's few fields: epoch, arch, model_state, and
+    step, global_step, optimizer, scheduler (objects or their state_dicts); args: the run's
+    settings; metrics: the epoch's row."""
+    from common import checkpoint
+    settings = {**vars(args or argparse.Namespace()), "out_dir": str(out_dir),
+                "arch": fields.pop("arch")}
+    row = {**(metrics or {}), "epoch": fields.pop("epoch")}
+    state = {"model": fields.pop("model_state")}
+    for name, value in fields.items():
+        state[name] = value.state_dict() if hasattr(value, "state_dict") else value
+    return checkpoint.save(argparse.Namespace(**settings), row, state, keep)
 
 
 # Where two runs sum their gradients otherwise (1 x 64 against 2 x 32, HSDP's 4 x 16, a resumed
@@ -269,7 +310,7 @@ def as_after_epoch(src, dst, epoch, rows=True):
     none, as a kill before the row was written leaves it)."""
     src, dst, tag = Path(src), Path(dst), f"epoch{epoch:04d}"
     dst.mkdir(parents=True, exist_ok=True)
-    if (src / f"checkpoint-{tag}.pt").is_file():  # 08 gathers its own at the end of a run only
+    if (src / f"checkpoint-{tag}.pt").is_file():  # 08 writes none
         shutil.copy(src / f"checkpoint-{tag}.pt", dst)
     for folder in ("ds_checkpoints", "dcp"):
         if (src / folder / tag).is_dir():
@@ -445,7 +486,8 @@ def assert_step01_evaluates_as_logged(checkpoint_path, logged, data_args, out_di
     model = step01["prepare_model"](args, step01["build_model"](args, info), cpu)
     build_optimizer = step01["build_optimizer"]
     optimizer, scheduler, scaler = build_optimizer(args, model, len(train_loader), cpu, None)
-    epoch, _, _ = step01["resume"](args, model, optimizer, scheduler, scaler)
+    training = step01["Training"](model, optimizer, scheduler, scaler, cpu, None)
+    epoch, _, _ = step01["resume"](args, training)
     assert epoch == logged["epoch"]
     evaluated = step01["evaluate"](args, model, test_loader, cpu, None)
     assert round(evaluated["test_acc"] * TEST_SIZE) == round(logged["test_acc"] * TEST_SIZE)

@@ -39,6 +39,7 @@ class Mutant(NamedTuple):
     bug: str
     pattern: str  # a regular expression (re.M) that matches exactly once in the step
     broken: str  # what it becomes (re.sub's replacement)
+    file: str = ""  # where the step's code is, if not in the step's script (e.g. common/)
 
 
 # The tests each step is held to: every test of the suite that runs the step (its own file, its
@@ -74,7 +75,9 @@ TESTS = {
         f"{GPU_PATHS}08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward",
         "tests/test_data.py::test_every_distributed_step_evaluates_in_eval_batches",
         "tests/test_template.py::test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does"
-        "[08-fsdp]"],
+        "[08-fsdp]",
+        "tests/test_checkpoint.py::test_08s_position_is_written_once_beside_its_shards_and_only_"
+        "complete_folders_count"],
 }
 
 MUTANTS = [
@@ -91,8 +94,9 @@ MUTANTS = [
     Mutant(4, "batch-norm buffers not broadcast", r"DistributedDataParallel\(model, ",
            "DistributedDataParallel(model, broadcast_buffers=False, "),
     Mutant(4, "the schedule never steps", r"^(\s+)scheduler\.step\(\)", r"\1pass"),
-    Mutant(4, "every rank reads the checkpoint from its own disk", r"state=found\[0\], model=model",
-           "state=None, model=model"),
+    Mutant(4, "every rank reads the checkpoint from its own disk",
+           r"checkpoint\.resume\(found\[0\], model,",
+           "checkpoint.resume(checkpoint.find(args), model,"),
     Mutant(4, "the loss not divided by --grad-accum", r"scaler\.scale\(loss / args\.grad_accum\)",
            "scaler.scale(loss)"),
     # 05
@@ -161,20 +165,19 @@ MUTANTS = [
            "fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=False)"),
     Mutant(8, "batch-norm buffers not broadcast", r"^(\s+)dist\.broadcast\(buffer, 0\)", r"\1pass"),
     Mutant(8, "--resume of a dcp/ folder not looked into for its newest",
-           r'^(\s+)folder = max\(glob\.glob\(.*\)$', r"\1pass"),
-    Mutant(8, "--resume auto takes an unfinished save", r'"epoch\*\[0-9\]"\)\), default=""',
-           '"epoch*")), default=""'),
+           r"else dcp_folders\(path\)$", "else []", "common/checkpoint.py"),
+    Mutant(8, "--resume auto takes an unfinished save",
+           r' and os\.path\.isfile\(os\.path\.join\(folder, name, "\.metadata"\)\)\]', "]",
+           "common/checkpoint.py"),
     Mutant(8, "gradients reduced on every accumulated pass",
            r"set_requires_gradient_sync\(last_pass\)", "set_requires_gradient_sync(True)"),
     Mutant(8, "a DCP resume without the optimizer state (momentum, learning rate)",
-           r'(?s)state = \{"model": model_state, "optim": optim_state, "position": "",(.*?)'
-           r'set_state_dict\(model, optimizer, model_state_dict=state\["model"\],\s+'
-           r'optim_state_dict=state\["optim"\]\)',
-           r'state = {"model": model_state, "position": "",'
-           r'\1set_model_state_dict(model, state["model"])'),
+           r'set_state_dict\(model, optimizer, model_state_dict=shards\["model"\],\s+'
+           r'optim_state_dict=shards\["optim"\]\)',
+           'set_model_state_dict(model, shards["model"])'),
     Mutant(8, "a DCP resume without the loss scale",
-           r"state=position, scheduler=scheduler, scaler=scaler,",
-           "state=position, scheduler=scheduler,"),
+           r"checkpoint\.resume\(state, load_model, load_optimizer, scheduler, scaler,",
+           "checkpoint.resume(state, load_model, load_optimizer, scheduler, None,"),
     Mutant(8, "evaluation without the all-reduce",
            r"^(\s+)dist\.all_reduce\(totals\)(.*\n\s+loss_sum)", r"\1totals = totals\2"),
     Mutant(8, "each rank shards its own initial weights (no broadcast from rank 0)",
@@ -184,28 +187,29 @@ MUTANTS = [
            "shape = (1, dist.get_world_size())"),
     Mutant(8, "one row kept a 2-D mesh (every unit all-reduces over one rank)",
            r'mesh = mesh if args\.replicate > 1 else mesh\["shard"\]', "mesh = mesh"),
-    Mutant(8, "the last save never finished (its folder stays .tmp)",
-           r"^\s+finish_save\(in_flight\)\n(\s+log\.finish)", r"\1"),
+    Mutant(8, "the last save never finished (its folder lacks .metadata)",
+           r"^\s+if writing:\n\s+writing\.result\(\)\n(\s+log\.finish)", r"\1"),
     Mutant(8, "the DCP folder without the run's settings (a crashed run resumes with defaults)",
-           r'"args": \{k: v for k, v in vars\(args\)\.items\(\) if k != "given"\},\s*', ""),
-    Mutant(8, "the gathered checkpoint-epochNNNN.pt never written",
-           r"^(\s+)save_gathered\(args, \*last, ", r"\1(lambda *a: None)(args, *last, "),
+           r'"args": plain, ', '"args": {}, ', "common/checkpoint.py"),
 ]
 
 
-def script(root, step):
-    (path,) = Path(root).glob(f"{step:02d}_cifar10_*.py")
+def script(root, mutant):
+    """The file the mutant changes: its step's script, or its own file."""
+    if mutant.file:
+        return Path(root) / mutant.file
+    (path,) = Path(root).glob(f"{mutant.step:02d}_cifar10_*.py")
     return path
 
 
 def applies(mutant, root=REPO):
-    """Whether the mutant's pattern matches exactly once in its step (else it is STALE)."""
-    return len(re.findall(mutant.pattern, script(root, mutant.step).read_text(), re.M)) == 1
+    """Whether the mutant's pattern matches exactly once in its file (else it is STALE)."""
+    return len(re.findall(mutant.pattern, script(root, mutant).read_text(), re.M)) == 1
 
 
 def plant(mutant, root):
-    """Apply the mutant to the step in `root`."""
-    path = script(root, mutant.step)
+    """Apply the mutant to its file in `root`."""
+    path = script(root, mutant)
     path.write_text(re.sub(mutant.pattern, mutant.broken, path.read_text(), count=1, flags=re.M))
 
 

@@ -15,6 +15,7 @@ DeepSpeed), so there are three, each serving several checks:
   as on a plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed
   noise, and must end where 04 continuing the same file does;
 * the overflow check, on 8 images (bf16 is emulated on this CPU).
+One more process, without a launcher, exports the weights at every ZeRO stage in bf16 and fp32.
 In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in
 tests/test_preemption.py and without it in tests/test_default_model.py, ZeRO 2 without it in
 tests/test_learning_curves.py. (ZeRO 2 with --grad-accum reduces every pass's gradients as they
@@ -22,6 +23,7 @@ come: other bits, the same curve; tests/test_template.py.)
 """
 import json
 
+import pytest
 
 from helpers import (PYTHON, REPO, SMOKE, assert_01_continues_by_progress,
                      assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
@@ -125,3 +127,56 @@ def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
     assert "OVERFLOW! Skipping step" in proc.output
     state = load_checkpoint(checkpoint_epoch(tmp_path / "o", 1))
     assert state["global_step"] == state["metrics"]["steps"] == 8 // 4, state["metrics"]
+
+
+# One process (a group of one) loads step 05 and, for every ZeRO stage in bf16 and in fp32, builds
+# its engine from ds_config.json as 05 does, takes one optimizer step on the cnn with batch norm and
+# prints what full_weights exports: each tensor's dtype, and whether every weight is a bf16 number.
+EXPORT = """
+import argparse, datetime, importlib.util, json, sys
+import torch
+spec = importlib.util.spec_from_file_location("step", sys.argv[1])
+step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step)
+step.be_a_group_of_one()
+step.skip_shm_op_build()
+step.deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=60))
+found = {}
+for stage in range(4):
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", None)):
+        torch.manual_seed(0)
+        model = step.models.cnn_bn(num_classes=10, mean=(120.0,) * 3, std=(60.0,) * 3)
+        args = argparse.Namespace(deepspeed_config=sys.argv[2], batch_size=4, grad_accum=1,
+                                  lr=0.1, zero_stage=stage)
+        engine = step.build_optimizer(model, step.build_config(args, dtype), None)
+        images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+        loss = torch.nn.functional.cross_entropy(engine(images).float(), torch.arange(4))
+        engine.backward(loss)
+        engine.step()
+        weights = {key: value for key, value in step.full_weights(engine).items()
+                   if key.endswith("weight")}
+        found[f"{stage} {name}"] = {
+            "dtypes": sorted({str(t.dtype) for t in step.full_weights(engine).values()}),
+            "bf16 numbers": all(torch.equal(t, t.bfloat16().float()) for t in weights.values()),
+            "sum": sum(t.double().sum().item() for t in weights.values())}
+print(json.dumps(found))
+"""
+
+
+def test_the_export_is_fp32_masters_at_every_stage_and_precision():
+    """full_weights gives every tensor in fp32 and, in bf16, the optimizer's fp32 master weights
+    (numbers that bf16 cannot hold after a step), not the bf16 weights the model ran with: ZeRO 1-3
+    through deepspeed.utils.safe_get_full_fp32_param, ZeRO 0 through its optimizer wrapper's groups.
+    In one precision the four stages export the same weights (their sums): to 6 digits in fp32, to
+    bf16's 3 in bf16, where ZeRO 0 lands a little apart from ZeRO 1-3 (seen: 1.4e-4 relative)."""
+    proc = run([PYTHON, "-c", EXPORT, script(5), REPO / "ds_config.json"], DS_ACCELERATOR="cpu")
+    found = json.loads(proc.output.strip().splitlines()[-1])
+    assert sorted(found) == sorted(f"{stage} {name}" for stage in range(4)
+                                   for name in ("bf16", "fp32")), found
+    for key, export in found.items():
+        # int64: batch norm's num_batches_tracked
+        assert export["dtypes"] == ["torch.float32", "torch.int64"], (key, export)
+        assert not export["bf16 numbers"], (key, "the bf16 weights, not the fp32 masters")
+    for name, digits in (("bf16", 2 ** -8), ("fp32", 1e-6)):
+        sums = [found[f"{stage} {name}"]["sum"] for stage in range(4)]
+        assert sums == pytest.approx([sums[0]] * 4, rel=digits), (name, sums)

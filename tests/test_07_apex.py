@@ -7,8 +7,8 @@ GradScaler in process: tests/test_gpu_paths.py). The legacy apex.amp/apex.parall
 need a CUDA GPU and a built Apex: neither exists here, so they are untested; these tests check what
 a reader without them sees (`--amp-backend apex` without Apex: tests/test_bad_input.py, with the
 other bad input). Only the legacy path's own lines run here, on 2 CPU ranks with a stand-in of
-Apex's interface at O2 (APEX_STAND_IN): buffers synced, and a resume bit for bit through the fp32
-master weights.
+Apex's interface at O2 (APEX_STAND_IN, imported by the step as Apex itself): buffers synced, and a
+resume bit for bit through the fp32 master weights.
 """
 import os
 
@@ -40,9 +40,7 @@ def test_native_path_trains_under_the_legacy_launcher(legacy):
     assert "epoch   2/2" in output, output
     assert_trained(out, epochs=2, ranks=2)
     chosen = [line for line in output.splitlines() if line.startswith("amp backend:")]
-    assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed; "
-                      "using its native successors "
-                      "torch.autocast + GradScaler + torch DDP)"], output
+    assert chosen == ["amp backend: torch (auto: NVIDIA Apex is not installed)"], output
     assert "optimizer: torch.optim.SGD" in output
     state = load_checkpoint(checkpoint_epoch(out, 2))
     # fp32: the scaler is disabled
@@ -96,9 +94,10 @@ def registry_apex(tmp_path):
 def test_registry_apex_is_named_as_the_unrelated_package(registry_apex, data, tmp_path):
     proc = run([PYTHON, script(7), *data, "--out-dir", tmp_path / "run", "--amp-backend", "apex"],
                check=False, **registry_apex)
-    assert_one_line_error(proc, "the apex in ",
-                          "is the unrelated registry package of that name, not NVIDIA Apex",
-                          "pip uninstall apex")
+    assert_one_line_error(proc, "--amp-backend apex needs NVIDIA Apex 25.05 or older",
+                          "apex.amp does not import (No module named 'apex.amp')",
+                          "the unrelated registry package (pip uninstall apex)",
+                          "or use --amp-backend torch")
 
 
 APEX_STAND_IN = """
@@ -172,11 +171,16 @@ def initialize(model, optimizer, opt_level):
     return model, optimizer
 
 loaded = []  # the amp states resume() loads
-amp = types.SimpleNamespace(initialize=initialize, state_dict=lambda: {"loss_scaler0": {"loss_scale": 1.0}},
-                            load_state_dict=loaded.append,
-                            master_params=lambda optimizer: (p for g in optimizer.param_groups for p in g["params"]))
-apex = types.SimpleNamespace(amp=amp, parallel=types.SimpleNamespace(DistributedDataParallel=LegacyDDP))
+amp, parallel, apex = (types.ModuleType(name) for name in ("apex.amp", "apex.parallel", "apex"))
+amp.initialize, amp.load_state_dict = initialize, loaded.append
+amp.state_dict = lambda: {"loss_scaler0": {"loss_scale": 1.0}}
+amp.master_params = lambda optimizer: (p for g in optimizer.param_groups for p in g["params"])
+parallel.DistributedDataParallel = LegacyDDP
+apex.amp, apex.parallel = amp, parallel
+# the step imports these as it would import Apex 25.05's
+sys.modules.update({"apex": apex, "apex.amp": amp, "apex.parallel": parallel})
 step = runpy.run_path(sys.argv[1], run_name="step07")
+print("legacy API imported:", step["LEGACY_API"])
 dist.init_process_group("gloo")
 rank, cpu = dist.get_rank(), torch.device("cpu")
 args = step["parse_args"](["--data-dir", "unused", "--batch-size", "8", "--workers", "0", "--amp-backend", "apex",
@@ -186,42 +190,42 @@ torch.manual_seed(rank)  # each rank its own images (4 of 4 x 4 pixels: fp16 is 
 batches = [(torch.randint(0, 256, (4, 3, 4, 4), dtype=torch.uint8), torch.randint(0, 10, (4,))) for _ in range(2)]
 
 def build():  # each rank its own start: the wrapper must make rank 0's the start of all
-    model = step["prepare_model"](args, step["build_model"](args, info), cpu, apex)
-    return step["build_optimizer"](args, model, 2, cpu, None, apex)
+    model = step["prepare_model"](args, step["build_model"](args, info), cpu, True)
+    model, optimizer, scheduler, scaler = step["build_optimizer"](args, model, 2, cpu, None, True)
+    return step["Training"](model, optimizer, scheduler, scaler, cpu, None, True)
 
-def train(model, optimizer, scheduler, scaler):
+def train(training):
     meter = metrics.Meter(args, 2)
     meter.start(None, 0)
-    step["train_one_epoch"](args, model, batches, optimizer, scheduler, scaler, cpu, None,
-                            types.SimpleNamespace(requested=lambda steps: False), meter, apex)
+    step["train_one_epoch"](args, training, batches, types.SimpleNamespace(requested=lambda steps: False), meter)
 
-def everything(model, optimizer):  # the model's fp16 weights and fp32 buffers, the masters, the momentum
-    masters = step["master_weights"](model, optimizer, apex)
-    return {**model.module.state_dict(), **{"master " + n: m for n, m in masters.items()},
+def everything(training):  # the model's fp16 weights and fp32 buffers, the masters, the momentum
+    masters, optimizer = step["master_weights"](training), training.optimizer
+    return {**training.model.module.state_dict(), **{"master " + n: m for n, m in masters.items()},
             **{"momentum " + n: optimizer.state[m]["momentum_buffer"] for n, m in masters.items()}}
 
 torch.manual_seed(rank)
 run = build()
-train(*run)
+train(run)
 if rank == 0:
-    step["save_checkpoint"](args, 1, 2, run[0], *run[1:], {"epoch": 1}, info, apex)
+    step["save_checkpoint"](args, run, {"epoch": 1}, info)
 dist.barrier()
-train(*run)
-whole = everything(*run[:2])
+train(run)
+whole = everything(run)
 torch.manual_seed(rank + 10)
 again = build()
 args.resume = "auto"
-step["resume"](args, *again, apex)
-train(*again)
-resumed = everything(*again[:2])
+step["resume"](args, again)
+train(again)
+resumed = everything(again)
 different = [n for n in whole if not torch.equal(whole[n], resumed[n])]
 args.opt_level = "O3"  # a fixed loss scale: neither saved nor loaded (a saved dynamic one would stick)
-step["resume"](args, *again, apex)
-path = step["save_checkpoint"](args, 9, 2, again[0], *again[1:], {"epoch": 9}, info, apex) if rank == 0 else None
+step["resume"](args, again)
+path = step["save_checkpoint"](args, again, {"epoch": 9}, info) if rank == 0 else None
 print(f"rank {rank} amp state loaded at O2 {len(loaded[:1])}, at O3 {len(loaded[1:])}")
 if rank == 0:
     print("saved at O3:", torch.load(path, weights_only=True)["scaler"])
-names = [name for name, _ in run[0].module.named_buffers() if name in whole]  # batch-norm statistics
+names = [name for name, _ in run.model.module.named_buffers() if name in whole]  # batch-norm statistics
 ranks = [None, None]
 dist.all_gather_object(ranks, whole)
 if rank == 0:
@@ -245,7 +249,7 @@ def test_the_legacy_path_at_o2_syncs_buffers_and_resumes_bit_for_bit(tmp_path):
     stand_in.write_text(APEX_STAND_IN)
     proc = run([BIN / "torchrun", "--nproc_per_node=2", f"--master_port={free_port()}", stand_in,
                 script(7), tmp_path / "out"])
-    for line in ("buffers 60 equal", "parameters equal",
+    for line in ("legacy API imported: True", "buffers 60 equal", "parameters equal",
                  "O2 masters: 22 fp32 copies of fp16 weights",
                  "rank 0 resumed: equal", "rank 1 resumed: equal",
                  "rank 0 amp state loaded at O2 1, at O3 0",

@@ -15,7 +15,8 @@ import socket
 import pytest
 import torch
 
-from helpers import OUR_FRAMES, PYTHON, REPO, SMOKE, launch_command, run, torchrun
+from helpers import (OUR_FRAMES, PYTHON, REPO, SMOKE, launch_command, run, torchrun,
+                     write_checkpoint)
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[1-8]_cifar10_*.py"))
 
@@ -314,13 +315,13 @@ def test_torchrun_names_our_line_as_root_cause(tmp_path, monkeypatch):
 # A folder of a library's own checkpoints given to a step that cannot read it: what is in it, which
 # step resumes it ("name"), and the file any step resumes instead ("beside", when it is there).
 LIBRARY_FOLDERS = {
-    # One epoch's DCP folder (08's dcp/epochNNNN), with 08's gathered checkpoint beside it.
+    # One epoch's DCP folder (08's dcp/epochNNNN), with the .pt scripts/dcp_to_pt.py made beside it.
     "dcp-epoch": ("dcp/epoch0003", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "resume it"],
                   True),
-    # dcp/ itself, alone (a crashed run): its newest epoch is the one to resume, and the converter
-    # makes the file any step resumes.
+    # dcp/ itself, alone (08 writes no .pt): its newest epoch is the one to resume, and the
+    # converter makes of it the file any step resumes.
     "dcp-parent": ("dcp", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "dcp/epoch0003 with",
-                           "python scripts/dcp_to_pt.py ", "dcp/epoch0003` makes of it"], False),
+                           "python scripts/dcp_to_pt.py ", "dcp` makes of it"], False),
     "deepspeed": ("ds_checkpoints", ["DeepSpeed checkpoint folder", "05_cifar10_deepspeed.py",
                                      "momentum starts from zero"], True),
     "plain-folder": ("elsewhere", ["is a folder, not a checkpoint file"], False),
@@ -349,7 +350,7 @@ def test_a_folder_of_another_steps_checkpoints_says_what_it_is_and_which_step_re
     (run_dir / "elsewhere").mkdir()
     folder, says, beside = LIBRARY_FOLDERS[case]
     if beside:
-        checkpoint.save(str(run_dir), step="08_cifar10_fsdp", arch="cnn_bn", epoch=3,
+        write_checkpoint(run_dir, step="08_cifar10_fsdp", arch="cnn_bn", epoch=3,
                         global_step=30, model_state={"w": torch.zeros(1)},
                         args=Namespace(epochs=7, arch="cnn_bn"))
     args = shared_parser("test", "test", {"cnn": None, "cnn_bn": None}).parse_args(
@@ -358,7 +359,7 @@ def test_a_folder_of_another_steps_checkpoints_says_what_it_is_and_which_step_re
     @exits_cleanly
     def step():
         checkpoint.settings(args).apply(args)
-        checkpoint.resume(args)
+        checkpoint.resume(checkpoint.find(args))
 
     with pytest.raises(SystemExit) as exit_:
         step()

@@ -12,15 +12,15 @@ import torch
 
 from common import checkpoint
 from common.cli import UserError
-from helpers import REPO, env
+from helpers import REPO, env, write_checkpoint
 
 WRITER = """
-import sys, torch
+import argparse, sys, torch
 from common import checkpoint
 big = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))  # 16 MB: long enough to kill a save
 for epoch in range(1, 1000):
-    checkpoint.save(sys.argv[1], step="test", arch="cnn", epoch=epoch, global_step=epoch, model_state={"w": big + epoch},
-                    keep=1000)
+    args = argparse.Namespace(out_dir=sys.argv[1], arch="cnn")
+    checkpoint.save(args, {"epoch": epoch}, {"step": "test", "global_step": epoch, "model": {"w": big + epoch}}, keep=1000)
     print(epoch, flush=True)
 """  # noqa: E501 (a script of its own: its lines as written)
 # what WRITER's checkpoints hold, less epoch
@@ -50,19 +50,19 @@ def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
 def test_resume_auto_skips_a_damaged_newest_file(tmp_path, capsys):
     model = torch.nn.Linear(2, 2)
     for epoch in (1, 2):
-        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=epoch, global_step=epoch,
+        write_checkpoint(tmp_path, step="test", arch="cnn", epoch=epoch, global_step=epoch,
                         model_state=model.state_dict())
     with open(checkpoint.checkpoint_path(str(tmp_path), 2), "r+b") as f:
         f.truncate(100)  # e.g. a disk that filled up under a tool that did not write atomically
     args = SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn")
-    assert checkpoint.resume(args, model=model) == (1, 1, {})
+    assert checkpoint.resume(checkpoint.find(args), model=model) == (1, 1, {})
     assert "skipping" in capsys.readouterr().err
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     model = torch.nn.Linear(2, 2)
     for epoch in range(1, 6):
-        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=epoch, global_step=epoch,
+        write_checkpoint(tmp_path, step="test", arch="cnn", epoch=epoch, global_step=epoch,
                         model_state=model.state_dict(), keep=3)
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [
         "checkpoint-epoch0005.pt", "checkpoint-epoch0004.pt", "checkpoint-epoch0003.pt"]
@@ -92,7 +92,7 @@ def test_bad_checkpoints_are_refused_clearly(tmp_path, monkeypatch, content, mes
 
 
 def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
-    path = checkpoint.save(str(tmp_path), step="test", arch="resnet18", epoch=1, global_step=1,
+    path = write_checkpoint(tmp_path, step="test", arch="resnet18", epoch=1, global_step=1,
                            model_state={})
     with pytest.raises(UserError, match="pass --arch resnet18"):
         checkpoint.load(path, "cnn")
@@ -101,7 +101,7 @@ def test_checkpoint_for_another_arch_names_the_fix(tmp_path):
 def resumed(path, **objects):
     """checkpoint.resume of the file at `path`, as --resume PATH does it."""
     args = SimpleNamespace(resume=str(path), out_dir=os.path.dirname(path), arch="cnn")
-    return checkpoint.resume(args, **objects)
+    return checkpoint.resume(checkpoint.find(args), **objects)
 
 
 def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_path, capsys):
@@ -109,12 +109,12 @@ def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_pat
     a step that resumes its checkpoint says that momentum starts from zero."""
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=1,
+    path = write_checkpoint(tmp_path, step="05_cifar10_deepspeed", arch="cnn", epoch=1,
                            global_step=5, model_state=model.state_dict())
     resumed(path, model=model, optimizer=optimizer)
     assert ("written by 05_cifar10_deepspeed): weights only, momentum starts from zero"
             in capsys.readouterr().out)
-    checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=2, global_step=10,
+    write_checkpoint(tmp_path, step="04_cifar10_ddp", arch="cnn", epoch=2, global_step=10,
                     model_state=model.state_dict(), optimizer=optimizer)
     resumed(checkpoint.checkpoint_path(str(tmp_path), 2), model=model, optimizer=optimizer)
     assert "momentum" not in capsys.readouterr().out
@@ -137,7 +137,7 @@ def test_resumed_optimizer_state_has_its_parameter_s_layout(tmp_path):
 
     model, optimizer = model_and_optimizer()
     step(model, optimizer)
-    path = checkpoint.save(str(tmp_path), step="04_cifar10_ddp", arch="cnn", epoch=1, global_step=1,
+    path = write_checkpoint(tmp_path, step="04_cifar10_ddp", arch="cnn", epoch=1, global_step=1,
                            model_state=model.state_dict(), optimizer=optimizer)
     saved = torch.load(path, weights_only=True)["optimizer"]["state"][0]["momentum_buffer"]
     assert not saved.is_contiguous(memory_format=torch.channels_last), "saved plainly"
@@ -167,7 +167,7 @@ def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_pa
     for _ in range(30):
         optimizer.step()
         stepped.step()
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=3,
+    path = write_checkpoint(tmp_path, step="05_cifar10_deepspeed", arch="cnn", epoch=3,
                            global_step=30, model_state=model.state_dict())
     model, optimizer, placed = fresh_schedule()
     assert resumed(path, model=model, optimizer=optimizer, scheduler=placed) == (3, 30, {})
@@ -187,7 +187,7 @@ def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, cap
     for _ in range(50):
         optimizer.step()
         before.step()
-    path = checkpoint.save(str(tmp_path), step="05_cifar10_deepspeed", arch="cnn", epoch=2,
+    path = write_checkpoint(tmp_path, step="05_cifar10_deepspeed", arch="cnn", epoch=2,
                            global_step=50, model_state=model.state_dict(),
                            scheduler=before if saved_schedule else None,
                            metrics={"epoch": 2, "steps": 25})
@@ -203,7 +203,7 @@ def test_other_batch_arithmetic_continues_the_schedule_by_progress(tmp_path, cap
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(tmp_path,
                                                                                monkeypatch):
     model = torch.nn.Linear(2, 2)
-    checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=1, global_step=1,
+    write_checkpoint(tmp_path, step="test", arch="cnn", epoch=1, global_step=1,
                     model_state=model.state_dict())
 
     def disk_full(obj, f, *args, **kwargs):  # what torch's zip writer raises when the disk fills up
@@ -214,7 +214,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_older_checkpoints(t
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(UserError, match="cannot write checkpoint .*disk full.*"
                                         "previous checkpoints are untouched"):
-        checkpoint.save(str(tmp_path), step="test", arch="cnn", epoch=2, global_step=2,
+        write_checkpoint(tmp_path, step="test", arch="cnn", epoch=2, global_step=2,
                         model_state=model.state_dict())
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-epoch0001.pt"], (
         "no partial file may be left behind")
@@ -231,8 +231,8 @@ def test_leftovers_of_a_killed_save_and_old_digests_are_removed_at_the_next_star
 def test_a_plot_that_cannot_be_written_is_a_warning(tmp_path, capsys):
     from common import data, metrics
 
-    log = metrics.Log("test", SimpleNamespace(out_dir=str(tmp_path), epochs=1), 0,
-                      data.Info(num_classes=10))
+    args = SimpleNamespace(out_dir=str(tmp_path), epochs=1, tensorboard=False)
+    log = metrics.Log("test", args, 0, data.Info(num_classes=10))
     log.epoch({"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "test_acc": 0.5,
                "images_per_sec": 1, "epoch_seconds": 1})
     # savefig cannot replace a folder: an OSError, as on a full disk
@@ -295,18 +295,18 @@ def test_a_resume_path_that_does_not_exist_stops_before_overwrite_deletes_anythi
          "--overwrite"])
     with pytest.raises(UserError, match="no such file"):
         checkpoint.settings(args).apply(args)
-        checkpoint.resume(args)
+        checkpoint.resume(checkpoint.find(args))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
 
 
 def test_resume_auto_never_starts_over_on_top_of_checkpoints_it_cannot_continue(tmp_path):
     model = torch.nn.Linear(2, 2)
-    checkpoint.save(str(tmp_path), step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
+    write_checkpoint(tmp_path, step="01_cifar10_cpu", arch="resnet18", epoch=1, global_step=1,
                     model_state=model.state_dict())
     with pytest.raises(UserError, match=r"no checkpoint in .* can be continued by this run "
                                         r"\(.*pass --arch resnet18"):
-        checkpoint.resume(SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn"),
-                          model=model)
+        args = SimpleNamespace(resume="auto", out_dir=str(tmp_path), arch="cnn")
+        checkpoint.resume(checkpoint.find(args), model=model)
 
 
 
@@ -323,7 +323,7 @@ def test_parsing_reads_no_file_and_only_rank_0_reads_the_checkpoint(tmp_path, mo
     assert parse(["--resume", str(tmp_path / "garbage.pt")]).resume.endswith("garbage.pt")
     run = tmp_path / "run"
     run.mkdir()
-    checkpoint.save(str(run), step="test", arch="cnn", epoch=1, global_step=5, model_state={},
+    write_checkpoint(run, step="test", arch="cnn", epoch=1, global_step=5, model_state={},
                     args=parse(["--batch-size", "16", "--epochs", "7", "--arch", "cnn"]))
     args = parse(["--resume", "auto", "--out-dir", str(run), "--epochs", "9"])
     # the defaults, until settings are applied
@@ -375,3 +375,39 @@ def test_ranks_that_resumed_another_state_or_cannot_see_the_folder_are_named_in_
     checkpoint.check_seen([True, True], "dcp/epoch0001", "DCP")
     with pytest.raises(UserError, match=r"^rank\(s\) 2 cannot see dcp/epoch0001, the DCP "):
         checkpoint.check_seen([True, True, False], "dcp/epoch0001", "DCP")
+
+
+def test_08s_position_is_written_once_beside_its_shards_and_only_complete_folders_count(tmp_path):
+    """save_position() of 08's state (rank 0's part of 08's save): dcp/epochNNNN made afresh with
+    position.json, the random state back as tensors; a folder counts once DCP's .metadata is in it;
+    the newest 3 complete ones stay, unfinished ones go, and a part-way one goes with the next
+    save. 01-07 given such an --out-dir name the converter."""
+    from common.cli import shared_parser
+
+    parse = shared_parser("test", "test", {"cnn": None}).parse_args
+    args = parse(["--out-dir", str(tmp_path), "--arch", "cnn", "--epochs", "7"])
+    for epoch in range(1, 6):
+        state = {"step": "08_cifar10_fsdp", "global_step": 3 * epoch}
+        checkpoint.save_position(args, {"epoch": epoch}, state)
+        if epoch != 3:  # 3: killed before its .metadata
+            (tmp_path / "dcp" / f"epoch{epoch:04d}" / ".metadata").write_bytes(b"")
+        assert (tmp_path / "dcp" / "epoch0003").is_dir() == (epoch == 3), "unfinished: removed"
+    assert [os.path.basename(p) for p in checkpoint.dcp_folders(str(tmp_path / "dcp"))] == [
+        "epoch0005", "epoch0004", "epoch0002"]
+    position = checkpoint.dcp_header(str(tmp_path / "dcp" / "epoch0005"))
+    assert (position["epoch"], position["global_step"], position["args"]["epochs"]) == (5, 15, 7)
+    assert torch.equal(position["rng"]["torch"], checkpoint.rng_states()["torch"])
+    for dcp, says in ((False, "python scripts/dcp_to_pt.py " + str(tmp_path / "dcp")), (True, "")):
+        again = parse(["--out-dir", str(tmp_path), "--resume", "auto"])
+        verdict = checkpoint.settings(again, dcp=dcp)
+        assert says in (verdict.error or "") and (verdict.error is None) == dcp, verdict
+    assert verdict.values["epochs"] == 7
+    found = checkpoint.find(again, dcp=True)
+    assert found["dcp"] == str(tmp_path / "dcp" / "epoch0005") and found["epoch"] == 5
+    # A part-way save goes with the next save, as a part-way .pt does.
+    partial = checkpoint.save_position(args, {"epoch": 6, "partial": True, "steps": 2}, state)
+    with open(os.path.join(partial, ".metadata"), "wb"):
+        pass
+    assert os.path.basename(partial) == "epoch0005-step000002"
+    checkpoint.save_position(args, {"epoch": 6}, state)
+    assert not os.path.isdir(partial) and os.path.isdir(tmp_path / "dcp" / "epoch0005")

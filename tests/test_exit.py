@@ -101,7 +101,7 @@ def test_an_epoch_starts_and_ends_no_thread(monkeypatch):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setattr("sys.stderr", stream)
         before = threading.enumerate()
-        meter = Meter(SimpleNamespace(grad_accum=1, out_dir=".", profile=0), 2)
+        meter = Meter(SimpleNamespace(grad_accum=1, out_dir=".", profile=0, loss_every=10), 2)
         meter.start(None, 0)
         for _ in range(2):
             meter.batch_in_hand()

@@ -129,10 +129,9 @@ class NoStop:
         return False
 
 
-def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=torch.float16,
-              count=4, extra=()):
-    """Step `step`'s train_one_epoch over one epoch of one optimizer step (4 images); `extra`: its
-    arguments after the usual ones (07's `apex`)."""
+def one_epoch(step, args, training, epoch, count=4):
+    """Step `step`'s train_one_epoch of `training` (its Training) over one epoch of one optimizer
+    step (4 images)."""
     from common import metrics
     from synthetic import make_images
 
@@ -144,8 +143,7 @@ def one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, amp_dtype=
                                          sampler=sampler)
     meter = metrics.Meter(args, 1)
     meter.start(None, sampler.set_epoch(epoch))
-    return step["train_one_epoch"](args, model, loader, optimizer, scheduler, scaler,
-                                   torch.device("cpu"), amp_dtype, NoStop(), meter, *extra)
+    return step["train_one_epoch"](args, training, loader, NoStop(), meter)
 
 
 def overflowing(scaler, scale=2.0 ** 40):
@@ -185,14 +183,15 @@ def test_grad_scaler_skips_an_overflowing_fp16_step_and_its_scale_travels_in_the
     model = step["prepare_model"](args, step["build_model"](args, INFO), cpu)
     optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
     assert scaler.is_enabled(), "fp16 turns on step 01's GradScaler"
-    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch)  # noqa: E731
+    training = step["Training"](model, optimizer, scheduler, scaler, cpu, fp16)
+    train = lambda epoch: one_epoch(step, args, training, epoch)  # noqa: E731
     assert_scaler_skips_an_overflow_then_steps(train, scaler, lambda: weights(model))
-    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2},
-                                   INFO)
+    path = step["save_checkpoint"](args, training, {"epoch": 2}, INFO)
     model2 = step["prepare_model"](args, step["build_model"](args, INFO), cpu)
     optimizer2, scheduler2, scaler2 = step["build_optimizer"](args, model2, 1, cpu, fp16)
     args.resume = path
-    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
+    training2 = step["Training"](model2, optimizer2, scheduler2, scaler2, cpu, fp16)
+    assert step["resume"](args, training2)[0] == 2
     assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
 
 
@@ -238,7 +237,7 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
 
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
     """As 07's below, with FSDP's ShardedGradScaler; its scale travels in the DCP checkpoint, which
-    becomes the newest complete one as soon as its background write ends."""
+    is the newest complete one as soon as its background write ends."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     step = runpy.run_path(script(8), run_name="step08")
@@ -248,25 +247,27 @@ def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group
 
     def build():
         model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, fp16)
-        return (model, *step["build_optimizer"](args, model, 1, cpu, fp16))
+        optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16)
+        return step["Training"](model, optimizer, scheduler, scaler, cpu, fp16)
 
-    model, optimizer, scheduler, scaler = build()
+    training = build()
+    scaler = training.scaler
     assert isinstance(scaler, ShardedGradScaler) and scaler.is_enabled()
-    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch, None)  # noqa: E731
+    train = lambda epoch: one_epoch(step, args, training, epoch)  # noqa: E731
     # with one rank the whole state dict holds the live tensors: clone them
-    whole = lambda: {k: v.clone()  # noqa: E731
-                     for k, v in step["get_model_state_dict"](model, options=step["WHOLE"]).items()}
+    whole = lambda: {k: v.clone() for k, v in step["get_model_state_dict"](  # noqa: E731
+        training.model, options=step["WHOLE"]).items()}
     assert_scaler_skips_an_overflow_then_steps(train, scaler, whole)
     saving = torch.distributed.new_group(backend="gloo")
-    in_flight = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler,
-                                        {"epoch": 2}, INFO, saving)
-    # written in the background, it becomes the newest complete checkpoint then, not when waited for
-    assert in_flight[1].wait(60) and (tmp_path / "dcp" / "epoch0002" / ".metadata").is_file()
-    step["finish_save"](in_flight)
-    model2, optimizer2, scheduler2, scaler2 = build()
+    step["save_checkpoint"](args, training, {"epoch": 2}, INFO, saving).result()
+    # written in the background, it is the newest complete checkpoint once its write ends
+    assert (tmp_path / "dcp" / "epoch0002" / ".metadata").is_file()
+    assert not list(tmp_path.glob("*.pt")), "08 writes DCP folders only"
+    training2 = build()
     args.resume = "auto"  # the DCP folder it just wrote
-    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2)[0] == 2
-    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
+    assert step["resume"](args, training2)[0] == 2
+    assert training2.scaler.state_dict() == scaler.state_dict()
+    assert training2.scaler.get_scale() == 2.0 ** 8
 
 
 def test_07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels_in_the_checkpoint(
@@ -280,21 +281,24 @@ def test_07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels
     cpu, fp16 = torch.device("cpu"), torch.float16
 
     def build():
-        model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, None)
-        return step["build_optimizer"](args, model, 1, cpu, fp16, None)
+        model = step["prepare_model"](args, step["build_model"](args, INFO), cpu, False)
+        model, optimizer, scheduler, scaler = step["build_optimizer"](args, model, 1, cpu, fp16,
+                                                                      False)
+        return step["Training"](model, optimizer, scheduler, scaler, cpu, fp16, False)
 
-    model, optimizer, scheduler, scaler = build()
+    training = build()
+    scaler = training.scaler
     assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled(), (
         "fp16 turns on 07's GradScaler")
-    train = lambda epoch: one_epoch(step, args, model, optimizer, scheduler, scaler, epoch,  # noqa: E731
-                                    extra=[None])
-    assert_scaler_skips_an_overflow_then_steps(train, scaler, lambda: weights(model.module))
-    path = step["save_checkpoint"](args, 2, 2, model, optimizer, scheduler, scaler, {"epoch": 2},
-                                   INFO, None)
-    model2, optimizer2, scheduler2, scaler2 = build()
+    train = lambda epoch: one_epoch(step, args, training, epoch)  # noqa: E731
+    assert_scaler_skips_an_overflow_then_steps(train, scaler,
+                                               lambda: weights(training.model.module))
+    path = step["save_checkpoint"](args, training, {"epoch": 2}, INFO)
+    training2 = build()
     args.resume = path
-    assert step["resume"](args, model2, optimizer2, scheduler2, scaler2, None)[0] == 2
-    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 2.0 ** 8
+    assert step["resume"](args, training2)[0] == 2
+    assert training2.scaler.state_dict() == scaler.state_dict()
+    assert training2.scaler.get_scale() == 2.0 ** 8
 
 
 def test_08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward(

@@ -15,8 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (EXIT_GRACE, Output, assert_01_continues_by_progress, checkpoint_epoch, digests,
-                     launch_command, load_checkpoint, metrics, once, run, start)
+from common import checkpoint
+from helpers import (EXIT_GRACE, Output, assert_01_continues_by_progress,
+                     assert_board_matches_metrics, board, checkpoint_epoch, digests, launch_command,
+                     load_checkpoint, metrics, once, run, start)
 
 # (step, launcher, processes): 01, 04 (the loop every later step shares, under torchrun), 05 (the
 # engine saves on every rank, under its own launcher), 06 (its own collectives, under horovodrun),
@@ -98,9 +100,13 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text
     assert "Traceback" not in text.split("stopped after step")[0], text
     assert "stopped after step" in text, text
-    part_way = sorted(stopped.glob("checkpoint-epoch0000-step*.pt"))
+    # 08 writes its own format only: a DCP folder, its position beside the shards.
+    pattern, read = "checkpoint-epoch0000-step*.pt", load_checkpoint
+    if number == 8:
+        pattern, read = "dcp/epoch0000-step*", checkpoint.dcp_header
+    part_way = sorted(stopped.glob(pattern))
     assert len(part_way) == 1, (sorted(p.name for p in stopped.iterdir()), text)
-    state = load_checkpoint(part_way[0])
+    state = read(part_way[0])
     row = state["metrics"]
     assert (state["epoch"] == 0 and row["partial"] and row["epoch"] == 1
             and 0 < row["steps"] < row["of_steps"])
@@ -121,8 +127,11 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     # the epoch's loss sums both parts
     assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)
     assert got["images"] == want["images"] == 1280
-    assert not list(Path(stopped).glob("checkpoint-*-step*.pt")), (
+    assert not list(Path(stopped).glob(pattern.replace("0000", "*"))), (
         "a finished epoch supersedes the part-way one")
+    # TensorBoard shows the epoch once, with the losses of both parts, as the uninterrupted run's.
+    assert_board_matches_metrics(stopped)
+    assert board(stopped)["step/train_loss"] == board(reference)["step/train_loss"]
 
 
 def test_a_04_checkpoint_of_other_batch_arithmetic_continues_in_01_by_progress(uninterrupted, data,
@@ -194,7 +203,7 @@ def test_rank_0_shows_the_epoch_s_optimizer_steps_as_a_progress_bar_on_a_termina
                                 ("0", io.StringIO(), False)):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setattr("sys.stderr", stream)
-        meter = Meter(SimpleNamespace(grad_accum=2, out_dir=".", profile=0), 5)
+        meter = Meter(SimpleNamespace(grad_accum=2, out_dir=".", profile=0, loss_every=10), 5)
         meter.start({"steps": 1, "of_steps": 5, "images": 4}, 1)
         for _ in range(4):  # 2 optimizer steps of 2 passes
             meter.batch_in_hand()
@@ -220,7 +229,7 @@ def test_every_ranks_timing_is_gathered_by_one_max_at_the_end_of_the_epoch(monke
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    meter = Meter(SimpleNamespace(grad_accum=grad_accum, out_dir=".", profile=0), 4)
+    meter = Meter(SimpleNamespace(grad_accum=grad_accum, out_dir=".", profile=0, loss_every=10), 4)
     meter.start(None, 0)
     for _ in range(passes):
         meter.batch_in_hand()

@@ -12,11 +12,12 @@ adjacent scripts statement by statement (a statement split over several lines is
   * fails an unmarked change that is more than plumbing by its shape (the same statement with other
     arguments or targets): a changed learning rate, an evaluation fixed in one script only,
   * keeps 01 -> 02 and 02 -> 03 as short as they are, every script within 300 lines (01: 180;
-    05, 07, 08: not yet), what a step adds besides its lesson within 40 lines, the same functions in
-    the same order, and the names of common/ that a reader looks up to follow a step at 18 or
-    fewer.
+    05: 350, 07 and 08: 400), what a step adds besides its lesson within 40 lines, the same
+    functions in the same order, and the names of common/ that a reader looks up to follow a step
+    at 24 or fewer.
 """
 import ast
+import copy
 import difflib
 import re
 import subprocess
@@ -42,27 +43,24 @@ NOT_LESSON = 0.15  # most of a method's added statements that may be something e
 PLUMBING = "plumbing:"
 MARKERS = {step: marker for _, step, marker in PAIRS}  # a script's own lesson marker
 # 01's lines; what a later step adds that is not its lesson (beyond its predecessor's lines); every
-# step's lines. 05, 07 and 08 are not within 300 lines yet (issue 45): their lengths today, so that
-# they do not grow.
+# step's lines (issue 60: what follows from narrow functions, public names, each method's own
+# checkpoint format and comments that say why, not a goal of its own).
 MAX_LINES_01, MAX_NOT_LESSON_ADDED, MAX_LINES = 180, 40, 300
-# 08: 398 before issue 47 item 4 (the run's settings beside its DCP folders, the gathered checkpoint
-# once at the end): 412; 428 since a save becomes the newest when written (make_newest), not at the
-# next wait, its position.json written before the save starts; 430 with one row's mesh sliced to 1-D
-# (the H100's profile: a 2-D mesh of one row all-reduces every unit). 07: 457 before the H100 run
-# found apex.amp O1's += refusing fp32 into fp64 (the cast, and its marker in evaluate): 459;
-# 458 without a stray blank line. 2026-11-27, a review's findings: the stop group (and 08's saving
-# group) bounded by --dist-timeout (+1 each, 08 +2), 05's schedule placed after a part-way .pt's
-# steps (+2), 08's resume of a dcp/ folder (+1) and its calls that meet labelled (+1).
-# 2026-11-28: every rank resumes what rank 0 chose (issue 62: rank 0 reads and sends the .pt, 05
-# and 08 check that every rank sees their per-rank folders, and the ranks compare epoch, step and
-# weights after resume): 05 +15, 07 +6, 08 +15; 07 without 04's --spawn (issue 60): -24; 08's
-# batch norms by their public classes (issue 60): +4.
-NOT_YET_WITHIN = {"05_cifar10_deepspeed.py": 404, "07_cifar10_apex.py": 441,
-                  "08_cifar10_fsdp.py": 453}
+STEP_LINES = {"05_cifar10_deepspeed.py": 350, "07_cifar10_apex.py": 400, "08_cifar10_fsdp.py": 400}
+# 05 is over its 350 (2026-11-29, issue 60): its engine's config, schedule and checkpoint choice are
+# functions of their own, it resumes both its engine folder and any step's .pt and checks that every
+# rank sees the folder, exports fp32 weights at every ZeRO stage, and still writes the .pt beside
+# its engine checkpoint (a converter in scripts/ would take that out of the step). Its length today,
+# so that it does not grow.
+NOT_YET_WITHIN = {"05_cifar10_deepspeed.py": 399}
 # ARCHS: resnet18, cnn, cnn_bn; cli.check_device; data.layout (any shape); checkpoint.find,
-# position, agree and check_seen (a resume without a shared disk)
-MAX_NAMES = 23
-MAX_COMMON = 1700  # lines in all of common/ (at 100 columns)
+# position, agree and check_seen (a resume without a shared disk); checkpoint.dcp_path (08 names its
+# DCP folder as common/ finds it, issue 60)
+MAX_NAMES = 24
+# Lines in all of common/ (at 100 columns): 1,700 until 2026-11-29, when TensorBoard's writer and
+# the per-step losses (issue 64, +70) and 08's position.json beside its DCP shards, written and
+# found by the checkpoint format (issue 60, +52), came in.
+MAX_COMMON = 1800
 # The functions of 01, in its order: every step has them, in that order (its own ones in between).
 FUNCTIONS = ["parse_args", "setup", "build_data", "build_loaders", "build_model", "prepare_model",
              "build_optimizer", "train_one_epoch", "evaluate", "save_checkpoint", "resume", "main"]
@@ -78,8 +76,9 @@ COLLECTIVES = re.compile(
     r"\b(get|set)_(model|optimizer)_state_dict\(|DistributedDataParallel\(|"
     r"\bdcp\.async_save\(|\boptimizer\.synchronize\(")
 # Calls that may say `collective` too: a forward that communicates (DDP's buffers, ZeRO-3's and
-# FSDP's gathers), an engine's step (ZeRO gathers the updated shards), a 2-D mesh (it makes groups).
-MAY_MEET = re.compile(r"\b(model|engine|train_model)\(inputs\)|\bengine\.step\(|"
+# FSDP's gathers), an engine's step (ZeRO gathers the updated shards), a 2-D mesh (it makes groups),
+# a resume that loads through the step's functions (08's gather and scatter whole states).
+MAY_MEET = re.compile(r"\b(model|engine)\(inputs\)|\bengine\.step\(|\bcheckpoint\.resume\(|"
                       r"\binit_device_mesh\(|"
                       r"\boptimizer\.step\(|\bscaler\.step\(")
 BACKWARD = re.compile(r"\.backward\(")
@@ -151,7 +150,9 @@ def added(base, step):
     """The statements (with their comments) that `step` adds or changes against `base`, and the
     statements of `base` they replace, as difflib's blocks: [(removed, added)]."""
     a, b = statements(base), statements(step)
-    matcher = difflib.SequenceMatcher(None, [s[0] for s in a], [s[0] for s in b], autojunk=False)
+    # A statement that only gains or loses its `# collective` label is the same code.
+    keys = [[re.sub(r"  # collective\b.*$", "", s[0]) for s in found] for found in (a, b)]
+    matcher = difflib.SequenceMatcher(None, *keys, autojunk=False)
     return [(a[i1:i2], b[j1:j2]) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"]
 
 
@@ -235,7 +236,8 @@ def test_every_script_is_within_its_length(path):
     count = lines_not_the_lesson(path)
     assert count <= limit, (f"{path}: {count} lines that are not its lesson, limit {limit} (move "
                             "plumbing to common/)")
-    lines, most = len((REPO / path).read_text().splitlines()), NOT_YET_WITHIN.get(path, MAX_LINES)
+    lines = len((REPO / path).read_text().splitlines())
+    most = NOT_YET_WITHIN.get(path, STEP_LINES.get(path, MAX_LINES))
     assert lines <= most, f"{path}: {lines} lines, at most {most}"
 
 
@@ -257,21 +259,54 @@ def labelled(statement):
     return re.search(r"  # collective\b", statement) is not None
 
 
+class _WithoutInnerFunctions(ast.NodeTransformer):
+    def visit_FunctionDef(self, node):
+        return None
+
+    def visit_Lambda(self, node):
+        return ast.Constant(None)
+
+
+def own_calls(node):
+    """The code of a function's own body, less the functions defined inside it (a closure that a
+    library calls later, such as stop_agreement's)."""
+    body = [_WithoutInnerFunctions().visit(child) for child in copy.deepcopy(node.body)]
+    return "\n".join(ast.unparse(child) for child in body if child is not None)
+
+
 def meeting_functions(path):
-    """The script's own functions whose bodies call a collective: a call of one may say so too."""
+    """The script's own functions whose bodies meet the other ranks: a collective, or a call of
+    another such function (main aside: the process runs it)."""
     tree = ast.parse((REPO / path).read_text())
-    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-            and COLLECTIVES.search(ast.unparse(node))}
+    bodies = {node.name: own_calls(node) for node in tree.body
+              if isinstance(node, ast.FunctionDef) and node.name != "main"}
+    meeting = {name for name, body in bodies.items() if COLLECTIVES.search(body)}
+    while True:
+        calls = calls_of(meeting)
+        more = {name for name, body in bodies.items() if calls and calls.search(body)} - meeting
+        if not more:
+            return meeting
+        meeting |= more
+
+
+def calls_of(functions):
+    """A pattern for a call of one of `functions` (not its def), or None."""
+    if functions:
+        return re.compile(rf"(?<!def )(?<![\w.])({'|'.join(sorted(functions))})\(")
+    return None
 
 
 def silent_collectives(path):
+    """Statements that meet the other ranks without `# collective`: a collective, a backward, or a
+    call of the step's own function that meets them."""
+    calls_own = calls_of(meeting_functions(path))
     return [s for s, *_ in statements(path)
-            if (COLLECTIVES.search(code_of(s)) or BACKWARD.search(code_of(s))) and not labelled(s)]
+            if (COLLECTIVES.search(code_of(s)) or BACKWARD.search(code_of(s))
+                or (calls_own and calls_own.search(code_of(s)))) and not labelled(s)]
 
 
 def false_collectives(path):
-    own = meeting_functions(path)
-    calls_own = re.compile(rf"\b({'|'.join(sorted(own))})\(") if own else None
+    calls_own = calls_of(meeting_functions(path))
     return [s for s, *_ in statements(path) if labelled(s) and not (
         COLLECTIVES.search(code_of(s)) or BACKWARD.search(code_of(s)) or MAY_MEET.search(code_of(s))
         or (calls_own and calls_own.search(code_of(s))))]
@@ -296,7 +331,7 @@ def common_names(path):
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py")))
-def test_a_reader_looks_up_at_most_23_names_of_common(path):
+def test_a_reader_looks_up_at_most_24_names_of_common(path):
     names = common_names(path)
     print(f"{path}: {len(names)} names of common/: {sorted(names)}")
     assert len(names) <= MAX_NAMES, sorted(names)
@@ -385,6 +420,10 @@ def test_a_lesson_line_without_its_marker_counts_against_the_diff(tmp_path, monk
     silent = silent_collectives("04_cifar10_ddp.py")
     assert any("dist.barrier()" in s for s in silent), silent
     assert any(".backward(" in s for s in silent), silent
+    # So is a call of the step's own function that meets the other ranks.
+    (tmp_path / "04_cifar10_ddp.py").write_text(
+        source.replace("resume(args, training)  # collective", "resume(args, training)"))
+    assert any("= resume(args, training)" in s for s in silent_collectives("04_cifar10_ddp.py"))
     # A label on a call that sends nothing is named too.
     labelled = re.sub(r"^(\s+model\.train\(\))$", r"\1  # collective", source, flags=re.M)
     (tmp_path / "04_cifar10_ddp.py").write_text(labelled)

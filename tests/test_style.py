@@ -16,6 +16,7 @@ from test_steps_in_line import COLLECTIVES
 STEPS = sorted(p.name for p in REPO.glob("0[1-9]_cifar10_*.py"))
 TRAILING = 0.05  # trailing comments, `# collective` and linter directives aside, per code line
 LABELS = re.compile(r"# (collective|noqa\b.*)$")
+MAX_COMMENT_WORDS = 800
 
 
 def test_ruff_is_clean():
@@ -48,6 +49,20 @@ def test_few_trailing_comments_and_every_tag_has_words(path):
     empty = [t.line.rstrip() for t in trailing + alone
              if re.fullmatch(r"#\s*[\w ./-]+:\s*", t.string)]
     assert not empty, f"{path}: tags without words:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("path", STEPS)
+def test_comments_are_sentences_within_800_words(path):
+    """A comment says why in a sentence: no comment line with two colons (`# DDP: a: b`, a
+    telegram; code in backticks aside), and at most 800 comment words a step (labels aside; the
+    anchors of STYLE.md hold 0-695)."""
+    trailing, alone, _ = comments(path)
+    telegrams = [t.line.strip() for t in alone
+                 if re.sub(r"`[^`]*`", "", t.string).count(":") >= 2]
+    assert not telegrams, f"{path}: comments written as telegrams:\n" + "\n".join(telegrams)
+    words = sum(len(t.string.lstrip("#").split()) for t in trailing + alone
+                if not LABELS.match(t.string))
+    assert words <= MAX_COMMENT_WORDS, f"{path}: {words} comment words, at most {MAX_COMMENT_WORDS}"
 
 
 @pytest.mark.parametrize("path", STEPS)
@@ -107,3 +122,35 @@ def test_nothing_in_the_product_exists_for_the_suites_speed():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if banned.search(line)]
     assert not found, "\n".join(found)
+
+
+# Python's own special names, which any object has: not another library's private ones.
+SPECIAL = {*dir(object), *dir(dict), *dir(list), *dir(type), "__file__", "__version__", "__enter__",
+           "__exit__"}
+# Private names of other libraries that have no public way yet, each in one small named function
+# whose comment says what the public way lacks: {script: {name}}.
+NO_PUBLIC_WAY = {"05_cifar10_deepspeed.py": {"__compatible_ops__"}}
+
+
+@pytest.mark.parametrize("path", [*STEPS, *sorted(p.relative_to(REPO).as_posix()
+                                                 for p in (REPO / "common").glob("*.py"))])
+def test_narrow_functions_and_public_names_only(path):
+    """No function takes more than 6 parameters (the anchors' widest), and no code reaches into
+    another library by a private name (`x._y`, `x.__y__`; os._exit is public)."""
+    tree = ast.parse((REPO / path).read_text())
+    wide, private = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            count = len(a.posonlyargs + a.args + a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            if count > 6:
+                wide.append(f"line {node.lineno}: {node.name} takes {count}")
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and node.attr not in SPECIAL and ast.unparse(node) != "os._exit"
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and node.attr not in NO_PUBLIC_WAY.get(path, ())):
+            private.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and "._" in f".{node.module}":
+            private.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not wide, f"{path}: functions over 6 parameters:\n" + "\n".join(wide)
+    assert not private, f"{path}: private names of another library:\n" + "\n".join(private)
