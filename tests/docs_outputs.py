@@ -147,13 +147,14 @@ def learning_table():
 
 
 # The README's and results.md's TensorBoard screenshot: 01, 04 and 08 with the recipe above (1 x 64
-# and 2 x 32, fp32), 4 epochs, every 2nd step's loss; a real TensorBoard server, drawn by Debian's
-# chromium (headless). `--loss-every 2`: more points on the step curve than the default 10.
+# and 2 x 32, fp32), 4 epochs, every 2nd step's loss; a real TensorBoard server (its scalars page,
+# the losses and accuracy, no smoothing), drawn by Debian's chromium (headless). `--loss-every 2`:
+# more points on the step curve than the default 10.
 SHOT = [(".venv/bin/python 01_cifar10_cpu.py", ONE), (f"{TORCHRUN} 04_cifar10_ddp.py", TWO),
         (f"{TORCHRUN} 08_cifar10_fsdp.py", TWO)]
 CHROMIUM = ("chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
             "--disable-background-networking --disable-component-update --disable-sync "
-            "--hide-scrollbars --window-size=1400,1000 --virtual-time-budget=20000")
+            "--hide-scrollbars --window-size=1400,760 --virtual-time-budget=20000")
 
 
 def tensorboard_screenshot():
@@ -175,15 +176,16 @@ def tensorboard_screenshot():
         with tempfile.TemporaryDirectory() as profile:
             subprocess.run(f"{CHROMIUM} --user-data-dir={profile} --screenshot="
                            f"{REPO / 'docs' / 'tensorboard.png'} "
-                           "'http://127.0.0.1:6123/?darkMode=false#timeseries'", shell=True,
+                           "'http://127.0.0.1:6123/?darkMode=false#scalars&tagFilter=loss%7Cacc"
+                           "&_smoothingWeight=0'", shell=True,
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
         server.terminate()
     cpu, version = machine()
     caption = (f"01 (1 x 64), 04 and 08 (2 x 32) in TensorBoard: `--arch cnn --amp off`, 4 epochs, "
-               f"`--loss-every 2`, on this repository's {cpu}, torch {version}, "
-               f"{datetime.date.today().isoformat()} (`.venv/bin/python tests/docs_outputs.py "
-               "tensorboard-screenshot`). 04 and 08 lie on one line.")
+               f"`--loss-every 2`, run on {datetime.date.today().isoformat()} on this repository's "
+               f"machine, {cpu}, torch {version} (`.venv/bin/python tests/docs_outputs.py "
+               "tensorboard-screenshot`). 08 lies under 04: their runs end with the same bits.")
     # The README is a map: the picture, and where it was made.
     made = "How it was made: [results.md](docs/results.md#compare-runs-in-tensorboard)."
     for page, image, text in (("README.md", "docs/tensorboard.png", made),
