@@ -2,14 +2,14 @@
 
 What changes from step 04: deepspeed.initialize builds an engine around the model from its config
 and the command line; the loop calls engine(inputs), engine.backward(loss), engine.step(). ZeRO 1
-shards the optimizer state, 2 also the gradients, 3 also the weights; each rank saves its shard.
+shards the optimizer state, 2 also the gradients, 3 also the weights; each rank saves its shard in
+the engine's checkpoint (scripts/ds_to_pt.py makes the checkpoint-epochNNNN.pt of 01-07 of one).
 
     deepspeed --num_gpus 4 05_cifar10_deepspeed.py --deepspeed_config ds_config.json --zero-stage 3
 """
 import datetime
 import functools
 import gc
-import glob
 import json
 import os
 import shutil
@@ -86,8 +86,8 @@ def setup(args):
     backend = dist.get_default_backend_for_device(device)
     deepspeed.init_distributed(backend,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
-    # DDP: rank 0 reads --resume's settings (or its error) and sends them, so no disk is shared.
-    settings = [checkpoint.settings(args) if rank == 0 else None]
+    # DeepSpeed: rank 0 reads --resume's settings (a folder's position.json too) and sends them.
+    settings = [checkpoint.settings(args, own="ds_checkpoints") if rank == 0 else None]
     dist.broadcast_object_list(settings, src=0)  # collective
     settings[0].apply(args)
     torch.manual_seed(args.seed)
@@ -244,43 +244,28 @@ def full_weights(engine):
     return state
 
 
-# DeepSpeed: EVERY rank saves its shard and our position; rank 0 keeps 3, and writes the weights.
+# DeepSpeed: every rank saves its shard into the epoch's folder, which rank 0 clears first (the
+# engine removes no file, and its save starts with a barrier) and completes with the run's position.
 def save_checkpoint(args, engine, row, info):
-    folder, partial = os.path.join(args.out_dir, "ds_checkpoints"), row.get("partial")
-    done = row["epoch"] - bool(partial)
-    tag = f"epoch{done:04d}" + (f"-step{row['steps']:06d}" if partial else "")
-    position = {"step": STEP, "epoch": done, "global_step": engine.global_steps, "metrics": row,
-                "rng": {"torch": torch.get_rng_state()}}
-    engine.save_checkpoint(folder, tag=tag, client_state=position)  # collective
-    state = {"step": STEP, "model": full_weights(engine), "global_step": engine.global_steps,
-             "synthetic": info.synthetic}  # collective
+    folder = checkpoint.own_path(args.out_dir, row, "ds_checkpoints")
     if dist.get_rank() == 0:
-        for old in sorted(glob.glob(os.path.join(folder, "epoch*")))[:-3]:
-            shutil.rmtree(old, ignore_errors=True)
-        return checkpoint.save(args, row, state)
-
-
-# DeepSpeed: an engine checkpoint restores everything; else a .pt gives weights before ZeRO shards.
-def choose_checkpoint(args):
-    auto = os.path.join(args.out_dir, "ds_checkpoints")
-    path = auto if args.resume == "auto" else os.path.abspath(args.resume or "-")
-    if os.path.isfile(os.path.join(path, "latest")):
-        return (path, Path(path, "latest").read_text().strip()), {}
-    if glob.glob(os.path.join(path, "*model_states.pt")):
-        return os.path.split(path), {}
-    return None, checkpoint.find(args)
+        shutil.rmtree(folder, ignore_errors=True)
+    engine.save_checkpoint(*os.path.split(folder))  # collective
+    if dist.get_rank() == 0:
+        state = {"step": STEP, "global_step": engine.global_steps, "synthetic": info.synthetic}
+        checkpoint.save_position(args, row, state, "ds_checkpoints")
 
 
 # DeepSpeed: every rank loads its shard from the folder rank 0 chose; then all compare epoch, step
 # and whole weights.
-def resume(engine, found, progress):
+def resume(engine, state, progress):
     rank, seen = dist.get_rank(), [None] * dist.get_world_size()
-    if found:
-        dist.all_gather_object(seen, os.path.isdir(os.path.join(*found)))  # collective
-        checkpoint.check_seen(seen, os.path.join(*found), "DeepSpeed")
-        refuse_other_process_counts(found)
-        _, client = engine.load_checkpoint(*found)  # collective
-        progress = checkpoint.resume(client, verbose=rank == 0)
+    if state.get("folder"):
+        dist.all_gather_object(seen, os.path.isdir(state["folder"]))  # collective
+        checkpoint.check_seen(seen, state["folder"], "DeepSpeed")
+        refuse_other_process_counts(state["folder"])
+        engine.load_checkpoint(*os.path.split(state["folder"]))  # collective
+        progress = checkpoint.resume(state, verbose=rank == 0)
     mine = checkpoint.position(progress, full_weights(engine))  # collective
     positions = [None] * len(seen)
     dist.all_gather_object(positions, mine)  # collective
@@ -303,10 +288,12 @@ def main(argv=None):
     train_loader, test_loader, sampler = build_loaders(args, train_set, test_set)
     model = prepare_model(args, build_model(args, info), device)
     steps_per_epoch = sampler.steps
-    # DeepSpeed: rank 0 chooses for every rank and sends a .pt, so no disk need be shared.
-    found = [choose_checkpoint(args) if rank == 0 else None]
+    # DeepSpeed: rank 0 picks an engine folder or any step's .pt and sends it; a .pt's weights go
+    # into the model before ZeRO shards them.
+    found = [checkpoint.find(args, own="ds_checkpoints") if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # collective
-    found, progress = found[0][0], checkpoint.resume(found[0][1], model, verbose=rank == 0)
+    found = found[0]
+    progress = checkpoint.resume({} if found.get("folder") else found, model, verbose=rank == 0)
     start_epoch, _, part_done = progress
     # DeepSpeed: the schedule and step count start after the steps done.
     start_step = start_epoch * steps_per_epoch + sampler.steps_done(part_done.get(start_epoch + 1))
@@ -333,7 +320,6 @@ def main(argv=None):
             dist.broadcast(buffer, 0)  # collective
         if not row.get("partial"):
             row.update(evaluate(args, engine, test_loader, device))  # collective
-        # DeepSpeed: every rank saves its shard; rank 0 the weights, the others wait at the barrier.
         save_checkpoint(args, engine, row, info)  # collective
         log.epoch(row)
         dist.barrier()  # collective
@@ -357,14 +343,13 @@ def be_a_group_of_one():
 
 
 # DeepSpeed: it cannot re-partition SGD's state for another number of processes.
-def refuse_other_process_counts(found):
-    folder, ranks = os.path.join(*found), dist.get_world_size()
+def refuse_other_process_counts(folder):
     shards = [name for name in os.listdir(folder) if name.endswith("optim_states.pt")]
-    if shards and len(shards) != ranks:
-        weights = os.path.join(os.path.dirname(found[0]), f"checkpoint-{found[1]}.pt")
+    if shards and len(shards) != dist.get_world_size():
         sys.exit(f"the DeepSpeed checkpoint {folder} holds the optimizer state of {len(shards)} "
-                 f"processes, this run has {ranks}; start {len(shards)}, or continue from its "
-                 f"weights (momentum starts again) with --resume {weights}")
+                 f"processes, this run has {dist.get_world_size()}; start {len(shards)}, or "
+                 "continue from its weights (momentum starts again): `python scripts/ds_to_pt.py "
+                 f"{folder}` makes the checkpoint-epochNNNN.pt to --resume")
 
 
 # DeepSpeed: ZeRO 0's fp32 weights in 16 bits, which no public call gives (safe_get_full_fp32_param

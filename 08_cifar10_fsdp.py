@@ -77,7 +77,7 @@ def setup(args):
     dist.init_process_group(backend, device_id=device if backend != "gloo" else None,
                             timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
     # FSDP: rank 0 reads --resume's settings (a DCP folder's position.json too) and sends them.
-    settings = [checkpoint.settings(args, dcp=True) if rank == 0 else None]
+    settings = [checkpoint.settings(args, own="dcp") if rank == 0 else None]
     dist.broadcast_object_list(settings, src=0)  # collective
     settings[0].apply(args)
     torch.manual_seed(args.seed)
@@ -250,7 +250,7 @@ def save_checkpoint(args, training, row, info, saving):
     # to memory). Rank 0's .metadata, written last, completes the folder.
     model_state, optim_state = get_state_dict(training.model, training.optimizer)
     return dcp.async_save({"model": model_state, "optim": optim_state},
-                          checkpoint_id=checkpoint.dcp_path(args.out_dir, row),
+                          checkpoint_id=checkpoint.own_path(args.out_dir, row),
                           process_group=saving)  # collective
 
 
@@ -258,17 +258,17 @@ def resume(args, training):
     # FSDP: rank 0 picks a DCP folder (auto takes the newest complete) or any step's .pt.
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, scheduler, scaler = training[:4]
-    found = [checkpoint.find(args, dcp=True) if rank == 0 else None]
+    found = [checkpoint.find(args, own="dcp") if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # collective
     state, seen = found[0], [None] * world
-    if state.get("dcp"):
+    if state.get("folder"):
         # FSDP: each rank must see the folder to read its shards, whatever mesh wrote them.
-        here = os.path.isfile(os.path.join(state["dcp"], ".metadata"))
+        here = os.path.isfile(os.path.join(state["folder"], ".metadata"))
         dist.all_gather_object(seen, here)  # collective
-        checkpoint.check_seen(seen, state["dcp"], "DCP")
+        checkpoint.check_seen(seen, state["folder"], "DCP")
         model_state, optim_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optim": optim_state}
-        dcp.load(shards, checkpoint_id=state["dcp"])  # collective
+        dcp.load(shards, checkpoint_id=state["folder"])  # collective
         set_state_dict(model, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
 

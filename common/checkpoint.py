@@ -18,6 +18,7 @@ import pickle
 import re
 import shutil
 import sys
+import types
 import typing
 import warnings
 
@@ -27,7 +28,13 @@ from .cli import UserError, brief, processes, rank
 
 # Files written before it was renamed say "cifar10-parallel/1": they are read the same way.
 FORMAT = "parallel-steps/1"
-ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"  # the libraries' own checkpoints (steps 05 and 08)
+# 05's and 08's own checkpoints: what they are, the step that resumes them, the .pt's converter.
+ENGINE_DIR, DCP_DIR = "ds_checkpoints", "dcp"
+OWN = {ENGINE_DIR: ("a DeepSpeed checkpoint folder (step 05's engine checkpoint)",
+                    "05_cifar10_deepspeed.py", "ds_to_pt.py",
+                    "its weights; momentum starts from zero"),
+       DCP_DIR: ("a DCP checkpoint folder (step 08's torch.distributed.checkpoint shards)",
+                 "08_cifar10_fsdp.py", "dcp_to_pt.py", "the same epoch, gathered into one file")}
 # Settings of this invocation and this machine, never taken from a checkpoint's run.
 OWN_SETTINGS = {"resume", "out_dir", "overwrite", "stop_after", "spawn", "local_rank", "workers",
                 "compile", "sync_bn", "fp16_allreduce", "dist_timeout", "deepspeed_config",
@@ -91,8 +98,7 @@ def save(args, row, state, keep=3):
     """Write the checkpoint of row's epoch (row: its metrics.jsonl row, or a part-way epoch's so
     far) into args.out_dir atomically; keep the newest `keep`. Returns the path. `state`: what the
     step saves (step, model, optimizer, scheduler and scaler state_dicts, global_step, synthetic);
-    the run's arch, settings, epochs done, processes and random state are added unless given
-    (scripts/dcp_to_pt.py gives them)."""
+    the run's arch, settings, epochs done, processes, random state (save_converted gives them)."""
     epoch, out_dir = row["epoch"], args.out_dir
     state = _plain_layout({"optimizer": None, **_with_run(args, row, state)})
     path = checkpoint_path(out_dir, epoch, row)
@@ -169,40 +175,38 @@ def load(path, arch=None, mmap=False):
     return state
 
 
-def _newest(folder):
-    """The newest epoch's folder in ds_checkpoints/ or dcp/, or `folder` if it is one epoch's."""
-    if TAG.fullmatch(os.path.basename(os.path.normpath(folder))):
-        return folder
-    return os.path.join(folder, max((n for n in os.listdir(folder) if TAG.fullmatch(n)),
-                                    default="none"))
+def _kind(folder):
+    """ENGINE_DIR for a folder of 05's *model_states.pt, DCP_DIR for 08's .metadata, else None."""
+    if glob.glob(os.path.join(glob.escape(folder), "*model_states.pt")):
+        return ENGINE_DIR
+    return DCP_DIR if os.path.isfile(os.path.join(folder, ".metadata")) else None
 
 
-def dcp_folders(folder):
-    """The complete checkpoints in step 08's dcp/ `folder`, newest first: epochNNNN[-stepSSSSSS]
-    with DCP's .metadata, which rank 0 writes last, once every rank's shards are written."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return [os.path.join(folder, name) for name in sorted(names, reverse=True)
-            if TAG.fullmatch(name) and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+def own_folders(folder):
+    """The complete checkpoints in 05's ds_checkpoints/ or 08's dcp/ `folder`, newest first:
+    epochNNNN[-stepSSSSSS] with position.json and the library's files (05's rank 0 writes
+    position.json after the engine's save, 08's DCP's .metadata after every rank's shards)."""
+    names = sorted(os.listdir(folder), reverse=True) if os.path.isdir(folder) else []
+    paths = [os.path.join(folder, name) for name in names if TAG.fullmatch(name)]
+    return [path for path in paths
+            if _kind(path) and os.path.isfile(os.path.join(path, "position.json"))]
 
 
-def dcp_path(out_dir, row):
-    """Step 08's folder for row's epoch: out_dir/dcp/epochNNNN[-stepSSSSSS] (as checkpoint_path)."""
+def own_path(out_dir, row, library=DCP_DIR):
+    """row's folder in out_dir/library (ENGINE_DIR, DCP_DIR): epochNNNN[-stepSSSSSS], as a .pt's."""
     name = os.path.basename(checkpoint_path(out_dir, row["epoch"], row))
-    return os.path.join(out_dir, DCP_DIR, name.removeprefix("checkpoint-").removesuffix(".pt"))
+    return os.path.join(out_dir, library, name.removeprefix("checkpoint-").removesuffix(".pt"))
 
 
-def save_position(args, row, state, keep=3):
-    """Step 08's counterpart of save(), before every rank writes its shards there: row's folder
-    (dcp_path) made afresh, holding position.json (what save() writes but the model and the
-    optimizer, which DCP writes). Of the other folders, unfinished ones and part-way ones (a newer
-    save supersedes them, as a .pt's) are removed and the newest keep-1 complete ones kept. Returns
-    the folder. The other ranks may make the folder first (DCP's writer makes it before its
-    collective plan, in which it waits for rank 0), and write their shards after it."""
-    folder = dcp_path(args.out_dir, row)
-    kept = [old for old in dcp_folders(os.path.dirname(folder))
-            if "-step" not in os.path.basename(old)][:keep - 1]
+def save_position(args, row, state, library=DCP_DIR, keep=3):
+    """05's and 08's save(): position.json (a .pt's contents but what the library writes) in row's
+    folder, which 08 makes afresh before its shards (DCP's writer may make it first), 05 after the
+    engine's save. Unfinished and part-way folders are removed, the newest keep-1 complete kept."""
+    folder = own_path(args.out_dir, row, library)
+    kept = [old for old in own_folders(os.path.dirname(folder))
+            if "-step" not in os.path.basename(old) and old != folder][:keep - 1]
     for old in glob.glob(os.path.join(glob.escape(os.path.dirname(folder)), "epoch*")):
-        if old == folder or old not in kept:
+        if old not in kept and (old != folder or library == DCP_DIR):
             shutil.rmtree(old, ignore_errors=True)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -215,15 +219,14 @@ def save_position(args, row, state, keep=3):
     return folder
 
 
-def dcp_header(folder):
-    """What step 08 writes beside its shards (position.json: a .pt's contents but the model and
-    optimizer), as load() gives a .pt's."""
+def own_header(folder):
+    """05's or 08's position.json (a .pt's contents but model and optimizer), as load() gives."""
     try:
         with open(os.path.join(folder, "position.json")) as f:
             position = json.load(f)
-    except (OSError, ValueError) as error:  # not 08's, or damaged
-        raise UserError(f"{folder} has no readable position.json of step 08 ({error}); resume "
-                        "an older one") from None
+    except (OSError, ValueError) as error:  # not 05's or 08's, or damaged
+        raise UserError(f"{folder} has no readable position.json of step 05 or 08 ({error}); "
+                        "resume an older folder, or a checkpoint-epochNNNN.pt") from None
     if "rng" not in position:  # written by 08 before its random state moved here (2026-11-29)
         raise UserError(f"{folder} was written by an earlier step 08, which kept its random state "
                         "in the shards: continue it with that version, or start anew")
@@ -233,57 +236,56 @@ def dcp_header(folder):
     return {**position, "rng": {"torch": as_bytes(rng["torch"]), "device": device}}
 
 
+def save_converted(folder, out_dir, state):
+    """scripts/ds_to_pt.py's and dcp_to_pt.py's checkpoint-epochNNNN.pt of 05's or 08's `folder`:
+    `state` (model, optimizer) with the run of its position.json (not this process's), into out_dir
+    (None: the run's folder)."""
+    position = own_header(folder)
+    out_dir = out_dir or os.path.dirname(os.path.dirname(os.path.abspath(folder)))
+    row = position["metrics"]
+    path = save(types.SimpleNamespace(out_dir=out_dir, arch=position["arch"]), row,
+                {**position, **state})
+    print(f"wrote {path} ({position['step']}'s epoch {position['epoch']}"
+          + (f", {row['steps']} steps into the next" if row.get("partial") else "") + ")")
+    return path
+
+
 def _beside(folder):
-    """The checkpoint-epochNNNN.pt beside a folder of 05's or 08's own checkpoints (or beside their
-    newest), whether it is there or not: 05 writes it with each, scripts/dcp_to_pt.py makes 08's."""
-    epoch = os.path.abspath(_newest(folder))
-    return os.path.join(os.path.dirname(os.path.dirname(epoch)),
-                        f"checkpoint-{os.path.basename(epoch)}.pt")
+    """The checkpoint-epochNNNN.pt that scripts/ makes beside 05's or 08's epoch `folder`."""
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
+    return os.path.join(parent, f"checkpoint-{os.path.basename(folder)}.pt")
 
 
 def library_folder(path):
-    """(kind, the folder to resume) of a folder of the libraries' own checkpoints, or (None, path):
-    "deepspeed", 05's engine checkpoint (ds_checkpoints/ with its `latest` file, or one epoch's
-    folder of *model_states.pt); "dcp", 08's torch.distributed.checkpoint shards (a folder with a
-    .metadata file, or dcp/ holding them: the newest complete one)."""
+    """(ENGINE_DIR or DCP_DIR, the folder to resume) of 05's or 08's own checkpoints: one epoch's,
+    or the newest complete one in ds_checkpoints/ or dcp/ (else the newest); or (None, path)."""
     path = os.path.normpath(path)
-    if (os.path.isfile(os.path.join(path, "latest"))
-            or glob.glob(os.path.join(glob.escape(path), "*model_states.pt"))):
-        return "deepspeed", path
-    folders = [path] if os.path.isfile(os.path.join(path, ".metadata")) else dcp_folders(path)
-    return ("dcp", folders[0]) if folders else (None, path)
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    newest = [os.path.join(path, name) for name in names if TAG.fullmatch(name)][-1:]
+    folder = ([path] if _kind(path) else own_folders(path) or newest or [path])[0]
+    return (_kind(folder), folder) if _kind(folder) else (None, path)
 
 
 def _not_a_file(path):
     """load()'s line for a folder: 05's or 08's own checkpoint, which only that step resumes (any
-    step resumes the checkpoint-epochNNNN.pt beside it: 05 writes it, scripts/dcp_to_pt.py makes
-    08's), or some other folder."""
+    step resumes the .pt that its converter in scripts/ makes), or some other folder."""
     kind, folder = library_folder(path)
     if kind is None:
         return (f"--resume {path} is a folder, not a checkpoint file: pass a "
                 "checkpoint-epochNNNN.pt, or --resume auto to pick the newest in --out-dir")
-    script = "05_cifar10_deepspeed.py" if kind == "deepspeed" else "08_cifar10_fsdp.py"
+    what, script, converter, gained = OWN[kind]
     beside = _beside(folder)
-    shown = "the checkpoint-epochNNNN.pt that 05 wrote into the same --out-dir"
+    shown = f"the checkpoint-epochNNNN.pt that `python scripts/{converter} {path}` makes of it"
     if os.path.isfile(beside):
         shown = beside if os.path.relpath(beside).startswith(os.pardir) else os.path.relpath(beside)
-    elif kind == "dcp":
-        shown = f"the checkpoint-epochNNNN.pt that `python scripts/dcp_to_pt.py {path}` makes of it"
     which = "it" if folder == os.path.normpath(path) else folder
-    if kind == "deepspeed":
-        return (f"--resume {path} is a DeepSpeed checkpoint folder (step 05's engine checkpoint), "
-                f"which only {script} resumes: resume {which} with that step, or continue with "
-                f"this one from {shown} (its weights; momentum starts from zero)")
-    # dcp_to_torch of torch.distributed.checkpoint.format_utils makes a plain torch file of the
-    # folder, not a checkpoint of this format: not offered.
-    return (f"--resume {path} is a DCP checkpoint folder (step 08's torch.distributed.checkpoint "
-            f"shards), which only {script} resumes: resume {which} with that step, or continue "
-            f"with this one from {shown} (the same epoch, gathered into one file)")
+    # 08's: torch's dcp_to_torch_save makes a plain torch file, not one of this format: not offered.
+    return (f"--resume {path} is {what}, which only {script} resumes: resume {which} with that "
+            f"step, or continue with this one from {shown} ({gained})")
 
 
 def _find(resume, out_dir, arch, verbose):
-    """`--resume`: None -> None; 'auto' -> the newest
-    readable checkpoint in out_dir (None if none); a path."""
+    """--resume: None -> None; 'auto' -> the newest readable in out_dir (None if none); a path."""
     if resume != "auto":
         return None if resume is None else load(resume, arch)
     found = list_checkpoints(out_dir)
@@ -301,23 +303,22 @@ def _find(resume, out_dir, arch, verbose):
         print(f"no checkpoint in {out_dir}: starting from scratch")
 
 
-def _find_dcp(resume, out_dir):
-    """Step 08's: the DCP folder --resume names (auto: the newest complete one in out_dir) as its
-    position with "dcp": the folder, or None."""
-    folders = dcp_folders(os.path.join(out_dir, DCP_DIR)) if resume == "auto" else []
+def _find_own(resume, out_dir, own):
+    """The folder in out_dir/own (05's or 08's) that --resume names (auto: the newest complete), as
+    its position with "folder": the folder; or None."""
+    folders = own_folders(os.path.join(out_dir, own)) if resume == "auto" else []
     if resume not in (None, "auto") and os.path.isdir(resume):
         kind, folder = library_folder(resume)
-        folders = [folder] if kind == "dcp" else []
-    return {**dcp_header(folders[0]), "dcp": folders[0]} if folders else None
+        folders = [folder] if kind == own else []
+    return {**own_header(folders[0]), "folder": folders[0]} if folders else None
 
 
-def find(args, verbose=True, dcp=False):
-    """The checkpoint --resume names (auto: the newest readable one in --out-dir; dcp: step 08's
-    DCP folders first), loaded; {} if there is none to continue; {"error": its line} if it cannot be
-    continued, which resume() raises on every rank. Rank 0 calls it and sends what it found to the
-    others, whose disks may hold another --out-dir or none."""
+def find(args, verbose=True, own=None):
+    """The checkpoint --resume names (auto: the newest readable in --out-dir; own: 05's or 08's
+    folders first), loaded; {} if none; {"error": its line}, which resume() raises on every rank.
+    Rank 0 calls it and sends it to the others, whose disks may hold another --out-dir or none."""
     try:
-        found = _find_dcp(args.resume, args.out_dir) if dcp else None
+        found = _find_own(args.resume, args.out_dir, own) if own else None
         return found or _find(args.resume, args.out_dir, args.arch, verbose) or {}
     except UserError as error:
         return {"error": str(error)}
@@ -444,47 +445,45 @@ class Settings(typing.NamedTuple):
             setattr(args, name, value)
 
 
-def settings(args, dcp=False):
+def settings(args, own=None):
     """Make --out-dir this run's (make_out_dir), and with --resume find the settings of the run it
     continues: every setting not typed (args.given) comes from the checkpoint, so `--resume auto`
-    alone continues it (dcp: step 08's DCP folders first). It reads files: rank 0 calls it and
+    alone continues it (own: 05's or 08's folders first). It reads files: rank 0 calls it and
     shares the result, so that hosts without a shared disk agree; apply(args) on every rank."""
     try:
-        values = _settings_to_continue(args, dcp)
+        values = _settings_to_continue(args, own)
         make_out_dir(args.out_dir, args.resume, args.overwrite)
         return Settings(values)
     except UserError as error:
         return Settings({}, str(error))
 
 
-def _settings_to_continue(args, dcp):
+def _settings_to_continue(args, own):
     """{setting: value} of the checkpoint's run; a typed --arch that differs stops; a new number of
-    processes or of --epochs is said in one line. A folder of 05's or 08's own checkpoints: 08's
-    position.json, or the checkpoint-epochNNNN.pt beside it."""
+    processes or of --epochs is said in one line. 05's or 08's folder: position.json, or the .pt."""
     # Nothing to continue, or a new start.
     if args.resume is None or (args.resume == "auto" and args.overwrite):
         return {}
     found = [args.resume]
     if args.resume == "auto":
-        found = list_checkpoints(args.out_dir)
-        newest = dcp_folders(os.path.join(args.out_dir, DCP_DIR))[:1]
-        if newest and not (dcp or found):
-            raise UserError(f"--resume auto: {args.out_dir} holds step 08's DCP checkpoints only, "
-                            "which only 08_cifar10_fsdp.py resumes: continue with that step, or "
-                            "with this one from the checkpoint-epochNNNN.pt that `python "
-                            f"scripts/dcp_to_pt.py {os.path.join(args.out_dir, DCP_DIR)}` makes")
-        found = newest + found if dcp else found
+        newest = own_folders(os.path.join(args.out_dir, own))[:1] if own else []
+        found = newest + list_checkpoints(args.out_dir)
+        others = [name for name in OWN if name != own
+                  and own_folders(os.path.join(args.out_dir, name))]
+        if others and not found:
+            _, script, converter, _ = OWN[others[0]]
+            raise UserError(f"--resume auto: {args.out_dir} holds {script[:2]}'s own checkpoints "
+                            f"only ({others[0]}/), which only {script} resumes: continue with that "
+                            "step, or with this one from the checkpoint-epochNNNN.pt that `python "
+                            f"scripts/{converter} {os.path.join(args.out_dir, others[0])}` makes")
     elif os.path.isdir(args.resume):
         # ds_checkpoints/ or dcp/ (its newest epoch's), or one epoch's folder in it.
         kind, folder = library_folder(args.resume)
-        beside = _beside(folder)
-        found = [folder] if kind == "dcp" else []  # 08's settings, beside its shards
-        if os.path.isfile(beside):
-            found.append(beside)
+        found = [folder, _beside(folder)] if kind else []  # position.json, else a converted .pt
     for path in found:
         try:
             # only the small values are read
-            state = dcp_header(path) if os.path.isdir(path) else load(path, mmap=True)
+            state = own_header(path) if os.path.isdir(path) else load(path, mmap=True)
             break
         except UserError:
             if args.resume != "auto" and not os.path.isdir(args.resume):

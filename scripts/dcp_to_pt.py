@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,22 +44,16 @@ def by_index(optim, index):
 def main(argv=None):
     args = parse_args(argv)
     kind, folder = checkpoint.library_folder(args.folder)
-    if kind != "dcp":
+    if kind != checkpoint.DCP_DIR:
         raise UserError(f"{args.folder} is not a DCP checkpoint folder of step 08 (dcp/epochNNNN "
                         "with a .metadata file, or dcp/ holding them)")
-    position = checkpoint.dcp_header(folder)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(folder, os.path.join(tmp, "whole.pt"))
         whole = torch.load(os.path.join(tmp, "whole.pt"), weights_only=True)
     names = [name for group in whole["optim"]["param_groups"] for name in group["params"]]
     optimizer = by_index(whole["optim"], {name: i for i, name in enumerate(names)})
-    out_dir = args.out_dir or os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-    # The run's settings, position and random state are position.json's, not this process's.
-    run = types.SimpleNamespace(out_dir=out_dir, arch=position["arch"])
-    row = position["metrics"]
-    path = checkpoint.save(run, row, {**position, "model": whole["model"], "optimizer": optimizer})
-    print(f"wrote {path} ({position['step']}'s epoch {position['epoch']}"
-          + (f", {row['steps']} steps into the next" if row.get("partial") else "") + ")")
+    checkpoint.save_converted(folder, args.out_dir,
+                              {"model": whole["model"], "optimizer": optimizer})
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def run08(tmp_path_factory, data):
 @pytest.fixture(scope="session")
 def zero3(data, tmp_path_factory):
     """ZeRO-3 in fp32, 2 processes x 8 images (80 steps per epoch), 2 epochs, stopped part-way
-    through epoch 2 by a SIGTERM to the deepspeed launcher: the export of epoch 1, and the part-way
-    export of epoch 2 (checkpoint-epoch0001-stepNNNNNN.pt). DeepSpeed keeps weights under 1e5
+    through epoch 2 by a SIGTERM to the deepspeed launcher: the engine folders of epoch 1 and of the
+    part-way epoch 2 (ds_checkpoints/epoch0001-stepNNNNNN). DeepSpeed keeps weights under 1e5
     elements whole on every rank (stage3_param_persistence_threshold), which is all of the small
     model's: the config sets 0. Also tests/test_no_shared_disk.py's engine checkpoint."""
     def make(out):

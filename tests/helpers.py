@@ -310,7 +310,7 @@ def as_after_epoch(src, dst, epoch, rows=True):
     none, as a kill before the row was written leaves it)."""
     src, dst, tag = Path(src), Path(dst), f"epoch{epoch:04d}"
     dst.mkdir(parents=True, exist_ok=True)
-    if (src / f"checkpoint-{tag}.pt").is_file():  # 08 writes none
+    if (src / f"checkpoint-{tag}.pt").is_file():  # 05 and 08 write none
         shutil.copy(src / f"checkpoint-{tag}.pt", dst)
     for folder in ("ds_checkpoints", "dcp"):
         if (src / folder / tag).is_dir():
@@ -322,6 +322,17 @@ def as_after_epoch(src, dst, epoch, rows=True):
         kept = "".join(line for line in lines if json.loads(line)["epoch"] <= epoch)
         (dst / "metrics.jsonl").write_text(kept)
     return dst
+
+
+def converted(folder, out_dir):
+    """The checkpoint-epochNNNN[-stepSSSSSS].pt that scripts/ds_to_pt.py (of 05's
+    ds_checkpoints/epoch...) or scripts/dcp_to_pt.py (of 08's dcp/epoch...) makes in out_dir."""
+    folder = Path(folder)
+    converter = "ds_to_pt.py" if folder.parent.name == "ds_checkpoints" else "dcp_to_pt.py"
+    run([PYTHON, f"scripts/{converter}", folder, "--out-dir", out_dir])
+    path = Path(out_dir) / f"checkpoint-{folder.name}.pt"
+    assert path.is_file(), f"scripts/{converter} wrote no {path.name} into {out_dir}"
+    return path
 
 
 def checkpoint_epoch(out_dir, epoch):
@@ -451,14 +462,15 @@ def wait_for(folder, pattern, proc, timeout=240):
         time.sleep(0.05)
 
 
-def kill_rank_after_epoch_1(launcher, out_dir, rank=1, timeout=120):
-    """SIGKILL one rank once an epoch's checkpoint exists (epoch 1's, or a later one: only the
-    newest 3 are kept, and a loaded test process may look after 0.2 s epochs have rotated it out);
-    return (exit status, output, seconds the launcher took to end after the kill)."""
+def kill_rank_after_epoch_1(launcher, out_dir, rank=1, timeout=120,
+                            pattern="checkpoint-epoch*.pt"):
+    """SIGKILL one rank once an epoch's checkpoint (`pattern`) exists (epoch 1's, or a later one:
+    only the newest 3 are kept, and a loaded test process may look after 0.2 s epochs have rotated
+    it out); return (exit status, output, seconds the launcher took to end after the kill)."""
     import signal
     import time
 
-    wait_for(out_dir, "checkpoint-epoch*.pt", launcher)
+    wait_for(out_dir, pattern, launcher)
     rank_process(launcher, rank).send_signal(signal.SIGKILL)
     killed = time.monotonic()
     try:

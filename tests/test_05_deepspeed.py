@@ -1,7 +1,9 @@
 """Step 05 (DeepSpeed) under the real deepspeed launcher: ZeRO stages 0 and 3 train and keep the
-replicas identical, the exported checkpoint-epochNNNN.pt loads in step 01 and evaluates to the
-accuracy 05 logged, a part-way export continues by progress, skipped steps still count, and a
-missing DeepSpeed is one line (fp16 on the CPU: tests/test_bad_input.py, with the other bad input).
+replicas identical, 05 writes its engine's checkpoint only (position.json completes each folder),
+scripts/ds_to_pt.py makes the checkpoint-epochNNNN.pt of one (the weights 05 ended with, at ZeRO 3
+and 0), which loads in step 01 and evaluates to the accuracy 05 logged, a part-way one continues by
+progress, skipped steps still count, and a missing DeepSpeed is one line (fp16 on the CPU:
+tests/test_bad_input.py, with the other bad input).
 The README's own command (ZeRO 2 in --amp auto, quiet), its exact resume and an engine checkpoint
 refused by another number of processes: tests/test_template.py, on a user's copy of 05.
 
@@ -9,11 +11,11 @@ Every launch costs seconds on two cores (the launcher's two processes and every 
 DeepSpeed), so there are three, each serving several checks:
 * zero3: ZeRO-3 in fp32 (--amp off, so that step 01's fp32 evaluation can be held to the logged
   numbers), with a config that partitions even the small model's weights; 2 processes x 8 images,
-  so that step 01 continuing its export of epoch 1 at batch 64 meets another batch arithmetic;
+  so that step 01 continuing its converted epoch 1 at batch 64 meets another batch arithmetic;
   stopped part-way through epoch 2 by a SIGTERM to the deepspeed launcher;
-* ZeRO-0 in fp32 continues zero3's part-way export (weights only) to the end of epoch 2, launched
-  as on a plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no DeepSpeed
-  noise, and must end where 04 continuing the same file does;
+* ZeRO-0 in fp32 continues zero3's part-way folder, converted (weights only), to the end of epoch
+  2, launched as on a plain CPU machine (no -q, no DS_ACCELERATOR), to show that the ranks add no
+  DeepSpeed noise, and must end where 04 continuing the same file does;
 * the overflow check, on 8 images (bf16 is emulated on this CPU).
 One more process, without a launcher, exports the weights at every ZeRO stage in bf16 and fp32.
 In fp32 05 ends bit for bit where 04 does: ZeRO 0 with --grad-accum here, ZeRO 1 with it in
@@ -22,13 +24,14 @@ tests/test_learning_curves.py. (ZeRO 2 with --grad-accum reduces every pass's gr
 come: other bits, the same curve; tests/test_template.py.)
 """
 import json
+import shutil
 
 import pytest
 
+from common import checkpoint
 from helpers import (PYTHON, REPO, SMOKE, assert_01_continues_by_progress,
                      assert_one_line_error, assert_step01_evaluates_as_logged, assert_trained,
-                     checkpoint_epoch, digests, launch_command, load_checkpoint, metrics, run,
-                     script)
+                     converted, digests, launch_command, load_checkpoint, metrics, run, script)
 
 def deepspeed(nproc, *args, quiet=True, **kw):
     """`deepspeed [-q] --num_gpus N 05_cifar10_deepspeed.py --deepspeed_config ds_config.json ARGS`
@@ -44,41 +47,56 @@ def deepspeed(nproc, *args, quiet=True, **kw):
 
 
 def part_way(out):
-    """The checkpoint of a run stopped part-way through its epoch 2."""
-    found = sorted(out.glob("checkpoint-epoch0001-step*.pt"))
-    assert len(found) == 1, sorted(path.name for path in out.iterdir())
+    """The engine folder of a run stopped part-way through its epoch 2."""
+    found = sorted((out / "ds_checkpoints").glob("epoch0001-step*"))
+    assert len(found) == 1, sorted(path.name for path in (out / "ds_checkpoints").iterdir())
     return found[0]
 
 
-def test_zero3_partitions_and_trains(zero3):
+def test_zero3_partitions_and_trains(zero3, tmp_path):
+    """Every rank saves its own shard and rank 0 position.json, no .pt; scripts/ds_to_pt.py gathers
+    epoch 1 into the checkpoint format, and the part-way folder into the very weights 05 ended
+    with (its final digest, taken right after that save)."""
     out, output = zero3
     assert "ZeRO stage 3, amp off" in output and "stopped after step" in output
-    # one warm-up epoch: well above chance already
-    assert_trained(out, epochs=1, min_acc=0.4, ranks=2)
     shards = sorted(path.name for path in (out / "ds_checkpoints" / "epoch0001").iterdir())
     expected = [f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
                 for rank in (0, 1) for kind in ("model", "optim")]
-    assert shards == expected, "every rank saves its own shard"
+    assert shards == ["position.json", *expected], "every rank saves its own shard"
+    assert not list(out.glob("*.pt")), "05 writes no .pt (scripts/ds_to_pt.py makes one)"
+    for path in [out / "metrics.jsonl", out / "training_curves.png", *out.glob("weights-rank*")]:
+        shutil.copy(path, tmp_path)
+    converted(out / "ds_checkpoints" / "epoch0001", tmp_path)
+    # one warm-up epoch: well above chance already
+    assert_trained(tmp_path, epochs=1, min_acc=0.4, ranks=2)
+    stopped = load_checkpoint(converted(part_way(out), tmp_path / "part"))
+    assert stopped["optimizer"] is None and stopped["step"] == "05_cifar10_deepspeed"
+    assert {checkpoint.weights_digest(stopped["model"])} == set(digests(out).values())
 
 
-def test_01_evaluates_the_export_to_the_logged_accuracy(zero3, data, tmp_path):
-    """The weights gathered from ZeRO-3's shards;
+def test_01_evaluates_the_converted_checkpoint_to_the_logged_accuracy(zero3, data, tmp_path):
+    """The weights gathered from ZeRO-3's shards by scripts/ds_to_pt.py;
     05 evaluated through the engine on two test shards."""
-    assert_step01_evaluates_as_logged(checkpoint_epoch(zero3[0], 1), metrics(zero3[0])[0], data,
-                                      tmp_path)
+    assert_step01_evaluates_as_logged(converted(zero3[0] / "ds_checkpoints" / "epoch0001",
+                                                tmp_path / "pt"),
+                                      metrics(zero3[0])[0], data, tmp_path)
 
 
-def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data, tmp_path):
-    """ZeRO 0 in fp32 continues zero3's part-way export of epoch 2 (weights only, 80 steps per
-    epoch then, 20 now of 2 accumulated passes) to the bits that 04 reaches from the same file: the
-    rest of the epoch, the schedule placed by progress (epoch 1 and the part of epoch 2 done), the
-    same step, the same accumulation. (Placed at the export's raw step count it would train at
-    learning rate 0; placed at epoch 1's end, at other rates: both still pass an accuracy floor.)"""
+def test_zero0_continues_a_converted_folder_as_04_does_and_ranks_add_no_noise(zero3, data,
+                                                                              tmp_path):
+    """ZeRO 0 in fp32 continues zero3's part-way folder of epoch 2, made a .pt by
+    scripts/ds_to_pt.py (weights only, 80 steps per epoch then, 20 now of 2 accumulated passes), to
+    the bits that 04 reaches from the same file: the rest of the epoch, the schedule placed by
+    progress (epoch 1 and the part of epoch 2 done), the same step, the same accumulation. (Placed
+    at the raw step count it would train at learning rate 0; placed at epoch 1's end, at other
+    rates: both still pass an accuracy floor.) ZeRO 0's own folder converts to the weights it ended
+    with."""
+    pt = converted(part_way(zero3[0]), tmp_path / "pt")
     resumed = [*data, "--epochs", "2", "--batch-size", "16", "--grad-accum", "2", "--amp", "off",
-               "--no-channels-last", "--resume", part_way(zero3[0])]
+               "--no-channels-last", "--resume", pt]
     proc = deepspeed(2, *resumed, "--zero-stage", "0", "--out-dir", tmp_path / "05", quiet=False)
     run([*launch_command("torchrun", 2, 4), *resumed, "--out-dir", tmp_path / "04"])
-    row = load_checkpoint(part_way(zero3[0]))["metrics"]
+    row = load_checkpoint(pt)["metrics"]
     assert (f"resumed from step {row['steps']} of 80 in epoch 2 (written by 05_cifar10_deepspeed): "
             "weights only") in proc.output, proc.output
     assert "ZeRO stage 0, amp off" in proc.output
@@ -87,6 +105,9 @@ def test_zero0_continues_an_export_as_04_does_and_ranks_add_no_noise(zero3, data
     found = digests(tmp_path / "05")
     assert sorted(found) == [0, 1] and found == digests(tmp_path / "04"), (
         found, digests(tmp_path / "04"))
+    ended = load_checkpoint(converted(tmp_path / "05" / "ds_checkpoints" / "epoch0002",
+                                      tmp_path / "zero0"))
+    assert {checkpoint.weights_digest(ended["model"])} == set(found.values())
     # The launcher's two processes (runner, launch.py) each warn that no GPU was found; the ranks
     # do not (the script names the CPU), nor print the shm op build, the scheduler warning or
     # torch's FutureWarnings.
@@ -106,10 +127,17 @@ def test_missing_deepspeed_is_one_line_with_the_fix(data, tmp_path):
     assert not (tmp_path / "o").exists(), "nothing is written before the check"
 
 
-def test_an_export_of_other_batch_arithmetic_continues_in_01_by_progress(zero3, data, tmp_path):
-    """zero3's 2 processes x 8 images (80 steps per epoch),
+def test_a_converted_folder_of_other_batch_arithmetic_continues_in_01_by_progress(zero3, data,
+                                                                                   tmp_path):
+    """zero3's 2 processes x 8 images (80 steps per epoch), converted by scripts/ds_to_pt.py,
     continued by 01 at batch 64 (20 steps per epoch)."""
-    assert_01_continues_by_progress(checkpoint_epoch(zero3[0], 1), data, tmp_path)
+    pt = converted(zero3[0] / "ds_checkpoints" / "epoch0001", tmp_path / "pt")
+    assert_01_continues_by_progress(pt, data, tmp_path / "01")
+
+
+def test_ds_to_pt_refuses_what_is_not_a_05_folder_in_one_line(tmp_path):
+    proc = run([PYTHON, "scripts/ds_to_pt.py", tmp_path], check=False)
+    assert_one_line_error(proc, "is not a DeepSpeed checkpoint folder of step 05")
 
 
 def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
@@ -125,7 +153,7 @@ def test_steps_the_engine_skips_on_overflow_still_count(tiny_data, tmp_path):
                      "--lr", "1e30", "--stop-after", "1",
                      "--deepspeed_config", tmp_path / "overflow.json", "--out-dir", tmp_path / "o")
     assert "OVERFLOW! Skipping step" in proc.output
-    state = load_checkpoint(checkpoint_epoch(tmp_path / "o", 1))
+    state = checkpoint.own_header(str(tmp_path / "o" / "ds_checkpoints" / "epoch0001"))
     assert state["global_step"] == state["metrics"]["steps"] == 8 // 4, state["metrics"]
 
 

@@ -17,6 +17,7 @@ from common.checkpoint import weights_digest
 from helpers import (BIN, DDP_ARGS, EPOCHS, PYTHON, REPO, as_after_epoch, assert_alike,
                      assert_step01_evaluates_as_logged, assert_trained, checkpoint_epoch, digests,
                      free_port, load_checkpoint, metrics, run, script, start, torchrun, wait_for)
+from helpers import converted as to_pt
 
 # run08's recipe on 4 processes: global batch 64 in fp32
 HSDP_ARGS = ["--batch-size", "16", "--amp", "off"]
@@ -90,9 +91,7 @@ def resumed_state(source, epoch, out, processes, replicate, data):
 def converted(source, epoch, out):
     """The path of the checkpoint-epochNNNN.pt that scripts/dcp_to_pt.py makes in `out` of
     `source`'s dcp/epochNNNN."""
-    folder = source / "dcp" / f"epoch{epoch:04d}"
-    run([PYTHON, "scripts/dcp_to_pt.py", folder, "--out-dir", out])
-    return checkpoint_epoch(out, epoch)
+    return to_pt(source / "dcp" / f"epoch{epoch:04d}", out)
 
 
 @pytest.mark.parametrize("processes,replicate", [(4, 1), (4, 4), (2, 1)],

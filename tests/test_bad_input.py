@@ -322,8 +322,15 @@ LIBRARY_FOLDERS = {
     # converter makes of it the file any step resumes.
     "dcp-parent": ("dcp", ["DCP checkpoint folder", "08_cifar10_fsdp.py", "dcp/epoch0003 with",
                            "python scripts/dcp_to_pt.py ", "dcp` makes of it"], False),
+    # 05's ds_checkpoints/, with the .pt scripts/ds_to_pt.py made beside its newest epoch.
     "deepspeed": ("ds_checkpoints", ["DeepSpeed checkpoint folder", "05_cifar10_deepspeed.py",
                                      "momentum starts from zero"], True),
+    # ds_checkpoints/ alone (05 writes no .pt): the converter makes the file any step resumes.
+    "deepspeed-parent": ("ds_checkpoints", ["DeepSpeed checkpoint folder",
+                                            "05_cifar10_deepspeed.py", "epoch0003 with",
+                                            "python scripts/ds_to_pt.py ",
+                                            "ds_checkpoints` makes of it",
+                                            "momentum starts from zero"], False),
     "plain-folder": ("elsewhere", ["is a folder, not a checkpoint file"], False),
 }
 

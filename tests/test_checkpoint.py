@@ -105,8 +105,8 @@ def resumed(path, **objects):
 
 
 def test_a_checkpoint_without_optimizer_state_says_momentum_starts_again(tmp_path, capsys):
-    """05 writes (and reads) weights only:
-    a step that resumes its checkpoint says that momentum starts from zero."""
+    """05's engine folder converted (scripts/ds_to_pt.py) holds weights only, and 05 reads any .pt
+    as weights only: a step that resumes such a file says that momentum starts from zero."""
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = write_checkpoint(tmp_path, step="05_cifar10_deepspeed", arch="cnn", epoch=1,
@@ -162,7 +162,8 @@ def fresh_schedule(epochs=10, steps_per_epoch=10):
 
 
 def test_a_checkpoint_without_schedule_continues_the_schedule_at_its_step(tmp_path):
-    """DeepSpeed exports carry no LambdaLR state: resuming one must not start the warm-up again."""
+    """scripts/ds_to_pt.py's files carry no LambdaLR state: resuming one must not start the warm-up
+    again."""
     model, optimizer, stepped = fresh_schedule()
     for _ in range(30):
         optimizer.step()
@@ -392,18 +393,20 @@ def test_08s_position_is_written_once_beside_its_shards_and_only_complete_folder
         if epoch != 3:  # 3: killed before its .metadata
             (tmp_path / "dcp" / f"epoch{epoch:04d}" / ".metadata").write_bytes(b"")
         assert (tmp_path / "dcp" / "epoch0003").is_dir() == (epoch == 3), "unfinished: removed"
-    assert [os.path.basename(p) for p in checkpoint.dcp_folders(str(tmp_path / "dcp"))] == [
+    assert [os.path.basename(p) for p in checkpoint.own_folders(str(tmp_path / "dcp"))] == [
         "epoch0005", "epoch0004", "epoch0002"]
-    position = checkpoint.dcp_header(str(tmp_path / "dcp" / "epoch0005"))
+    position = checkpoint.own_header(str(tmp_path / "dcp" / "epoch0005"))
     assert (position["epoch"], position["global_step"], position["args"]["epochs"]) == (5, 15, 7)
     assert torch.equal(position["rng"]["torch"], checkpoint.rng_states()["torch"])
-    for dcp, says in ((False, "python scripts/dcp_to_pt.py " + str(tmp_path / "dcp")), (True, "")):
+    for own, says in ((None, "python scripts/dcp_to_pt.py " + str(tmp_path / "dcp")),
+                      (checkpoint.ENGINE_DIR, "python scripts/dcp_to_pt.py "),
+                      (checkpoint.DCP_DIR, "")):
         again = parse(["--out-dir", str(tmp_path), "--resume", "auto"])
-        verdict = checkpoint.settings(again, dcp=dcp)
-        assert says in (verdict.error or "") and (verdict.error is None) == dcp, verdict
+        verdict = checkpoint.settings(again, own=own)
+        assert says in (verdict.error or "") and (verdict.error is None) == (own == "dcp"), verdict
     assert verdict.values["epochs"] == 7
-    found = checkpoint.find(again, dcp=True)
-    assert found["dcp"] == str(tmp_path / "dcp" / "epoch0005") and found["epoch"] == 5
+    found = checkpoint.find(again, own=checkpoint.DCP_DIR)
+    assert found["folder"] == str(tmp_path / "dcp" / "epoch0005") and found["epoch"] == 5
     # A part-way save goes with the next save, as a part-way .pt does.
     partial = checkpoint.save_position(args, {"epoch": 6, "partial": True, "steps": 2}, state)
     with open(os.path.join(partial, ".metadata"), "wb"):
@@ -411,3 +414,51 @@ def test_08s_position_is_written_once_beside_its_shards_and_only_complete_folder
     assert os.path.basename(partial) == "epoch0005-step000002"
     checkpoint.save_position(args, {"epoch": 6}, state)
     assert not os.path.isdir(partial) and os.path.isdir(tmp_path / "dcp" / "epoch0005")
+
+
+def test_05s_position_completes_its_engine_folder_and_only_complete_folders_count(tmp_path):
+    """save_position() of 05's state (rank 0's part of 05's save, after the engine's): the engine's
+    files stay, position.json completes the folder; the newest 3 complete ones stay, unfinished ones
+    go, a part-way one goes with the next save. 01-04 and 06-08 given such an --out-dir name
+    scripts/ds_to_pt.py; 05 continues it from position.json alone."""
+    from common.cli import shared_parser
+
+    parse = shared_parser("test", "test", {"cnn": None}).parse_args
+    args = parse(["--out-dir", str(tmp_path), "--arch", "cnn", "--epochs", "7"])
+    engine = tmp_path / "ds_checkpoints"
+
+    def save(row):
+        folder = checkpoint.own_path(str(tmp_path), row, checkpoint.ENGINE_DIR)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "mp_rank_00_model_states.pt"), "wb"):
+            pass
+        state = {"step": "05_cifar10_deepspeed", "global_step": 3 * row["epoch"]}
+        if row["epoch"] != 3:  # 3: killed before rank 0 wrote position.json
+            assert checkpoint.save_position(args, row, state, checkpoint.ENGINE_DIR) == folder
+        return folder
+
+    for epoch in range(1, 6):
+        save({"epoch": epoch})
+        assert (engine / "epoch0003").is_dir() == (epoch == 3), "unfinished: removed"
+        assert (engine / f"epoch{epoch:04d}" / "mp_rank_00_model_states.pt").is_file()
+    assert [os.path.basename(p) for p in checkpoint.own_folders(str(engine))] == [
+        "epoch0005", "epoch0004", "epoch0002"]
+    assert checkpoint.library_folder(str(engine)) == (checkpoint.ENGINE_DIR,
+                                                      str(engine / "epoch0005"))
+    for own, says in ((None, "python scripts/ds_to_pt.py " + str(engine)),
+                      (checkpoint.DCP_DIR, "python scripts/ds_to_pt.py "),
+                      (checkpoint.ENGINE_DIR, "")):
+        again = parse(["--out-dir", str(tmp_path), "--resume", "auto"])
+        verdict = checkpoint.settings(again, own=own)
+        assert says in (verdict.error or "") and (verdict.error is None) == (
+            own == checkpoint.ENGINE_DIR), verdict
+    assert verdict.values["epochs"] == 7
+    found = checkpoint.find(again, own=checkpoint.ENGINE_DIR)
+    assert found["folder"] == str(engine / "epoch0005") and found["global_step"] == 15
+    with pytest.raises(UserError, match=r"DeepSpeed checkpoint folder .* `python "
+                                        r"scripts/ds_to_pt.py .*` makes of it \(its weights"):
+        checkpoint.load(str(engine))
+    partial = save({"epoch": 6, "partial": True, "steps": 2})
+    assert os.path.basename(partial) == "epoch0005-step000002"
+    save({"epoch": 6})
+    assert not os.path.isdir(partial) and os.path.isdir(engine / "epoch0005")

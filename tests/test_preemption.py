@@ -100,10 +100,11 @@ def test_a_stop_signal_saves_where_it_stopped_and_resumes_exactly(tmp_path, data
     assert job.returncode == 75 if launcher == "python" else job.returncode != 0, text
     assert "Traceback" not in text.split("stopped after step")[0], text
     assert "stopped after step" in text, text
-    # 08 writes its own format only: a DCP folder, its position beside the shards.
+    # 05 and 08 write their own format only: an engine or DCP folder, its position.json beside.
     pattern, read = "checkpoint-epoch0000-step*.pt", load_checkpoint
-    if number == 8:
-        pattern, read = "dcp/epoch0000-step*", checkpoint.dcp_header
+    if number in (5, 8):
+        folder = checkpoint.ENGINE_DIR if number == 5 else checkpoint.DCP_DIR
+        pattern, read = f"{folder}/epoch0000-step*", checkpoint.own_header
     part_way = sorted(stopped.glob(pattern))
     assert len(part_way) == 1, (sorted(p.name for p in stopped.iterdir()), text)
     state = read(part_way[0])

@@ -25,10 +25,10 @@ The copies of every other step, each run once for 2 epochs in fp32 (NCHW), learn
 and end bit for bit where their neighbour's copy does: 01, 02 and 03 (one process each) where 01's
 copy does; 06 (horovodrun) and 07 (torch.distributed.launch), on 2 processes, where 04's copy does.
 
-05's copy also carries the checks of the README's 05 command: only the script's own lines, an export
-of fp32 master weights whose digest every rank wrote, and its engine checkpoint refused in one line
-by one process. Fourteen launches in all. torchvision's constructors fit ARCHS as they are
-(checked in this process).
+05's copy also carries the checks of the README's 05 command: only the script's own lines, its
+engine folder made by scripts/ds_to_pt.py a .pt of the fp32 master weights whose digest every rank
+wrote, and its engine checkpoint refused in one line by one process. Fourteen launches in all.
+torchvision's constructors fit ARCHS as they are (checked in this process).
 """
 import re
 import runpy
@@ -37,8 +37,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import (PYTHON, REPO, as_after_epoch, assert_one_line_error, digests, launch_command,
-                     load_checkpoint, metrics, run, script)
+from helpers import (PYTHON, REPO, as_after_epoch, assert_one_line_error, converted, digests,
+                     launch_command, load_checkpoint, metrics, run, script)
 
 README = (REPO / "README.md").read_text()
 # An even count: DistributedSampler evens an odd one out by repeating an image (982 trained of 981).
@@ -209,12 +209,13 @@ def processes(number):
 
 
 def saved_epoch_2(out):
-    """What a copy saved of epoch 2: its checkpoint-epoch0002.pt, or 08's position.json beside its
-    DCP shards (08 writes no .pt)."""
+    """What a copy saved of epoch 2: its checkpoint-epoch0002.pt, or 05's or 08's position.json
+    beside the library's files (05 and 08 write no .pt)."""
     from common import checkpoint
 
-    if (out / "dcp").is_dir():
-        return checkpoint.dcp_header(str(out / "dcp" / "epoch0002"))
+    for folder in (checkpoint.ENGINE_DIR, checkpoint.DCP_DIR):
+        if (out / folder).is_dir():
+            return checkpoint.own_header(str(out / folder / "epoch0002"))
     return load_checkpoint(out / "checkpoint-epoch0002.pt")
 
 
@@ -318,11 +319,11 @@ def test_a_copy_stopped_and_resumed_ends_where_an_uninterrupted_run_does(number,
 OURS05 = ("no GPU found", "my_deepspeed:", "epoch ", "resumed from", "DeepSpeed config: {")
 
 
-def test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision(copy05):
+def test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision(copy05, tmp_path):
     """The README's command as it is: --amp auto (bf16 on a CPU that computes it natively, else
     fp32), channels-last, ZeRO stage 2 (ds_config.json), `deepspeed -q` with DS_ACCELERATOR=cpu:
-    only the script's own lines, from rank 0; an export of the fp32 master weights, whose digest
-    every rank wrote."""
+    only the script's own lines, from rank 0; its engine folder, made a .pt by scripts/ds_to_pt.py,
+    holds the fp32 master weights, whose digest every rank wrote."""
     from common.checkpoint import weights_digest
     from common.cli import amp_dtype
 
@@ -333,7 +334,8 @@ def test_a_copy_of_05_trains_float_images_quietly_in_the_engines_precision(copy0
     assert output.count("epoch   2/2") == 1, "only rank 0 logs"
     noise = [line for line in output.splitlines() if line.strip() and not line.startswith(OURS05)]
     assert not noise, "DeepSpeed noise in the training log:\n" + "\n".join(noise)
-    state = load_checkpoint(out / "checkpoint-epoch0002.pt")
+    assert not list(out.glob("*.pt")), "05 writes no .pt"
+    state = load_checkpoint(converted(out / "ds_checkpoints" / "epoch0002", tmp_path))
     floats = {t.dtype for t in state["model"].values() if t.is_floating_point()}
     assert state["optimizer"] is None and floats == {torch.float32}, floats
     assert weights_digest(state["model"]) == digests(out)[0]
@@ -346,11 +348,12 @@ def test_a_copy_of_05s_engine_checkpoint_of_2_processes_is_refused_by_1_with_the
     two processes' ZeRO shards, so the line names the way that works (weights only), once."""
     as_after_epoch(copy05[0], tmp_path, 1)
     alone = run([PYTHON, jobs[5], "--out-dir", tmp_path,
-                 # the engine's folder: the settings come from the export beside it
+                 # the engine's folder: the settings come from its position.json
                  "--resume", tmp_path / "ds_checkpoints"],
                 check=False, DS_ACCELERATOR="cpu", PYTHONPATH=jobs[5].parent)
+    folder = tmp_path / "ds_checkpoints" / "epoch0001"
     assert_one_line_error(alone, "holds the optimizer state of 2 processes, this run has 1",
-                          f"--resume {tmp_path / 'checkpoint-epoch0001.pt'}")
+                          f"`python scripts/ds_to_pt.py {folder}`")
     assert alone.output.count("note: the checkpoint's run had 2 processes (global batch 64), "
                               "this one has 1 (global batch 32)") == 1, alone.output
 
