@@ -112,6 +112,8 @@ def build_data(args):
 
 
 def build_loaders(args, train_set, test_set):
+    # DDP: workers start from a forkserver, as forking a process with gloo's threads is unsafe.
+    data.workers_from_a_forkserver("deepspeed")
     # DDP: each rank trains a disjoint shard of one random order of the whole set per epoch, from
     # (seed, epoch) alone. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, shuffle=True, seed=args.seed)

@@ -13,7 +13,6 @@ import sys
 from collections import namedtuple
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
@@ -29,9 +28,6 @@ except ImportError as error:
     print(f"error: Horovod is not importable by {sys.executable} ({error}): build it for this "
           f"torch with `PYTHON={sys.executable} bash scripts/install_horovod.sh`", file=sys.stderr)
     sys.exit(2)
-# Horovod: DataLoader workers start from a forkserver, since forking Horovod's threads is unsafe.
-mp.set_start_method("forkserver", force=True)
-mp.set_forkserver_preload(["common", "horovod.torch"])
 
 STEP = os.path.splitext(os.path.basename(__file__))[0]
 MOMENTUM, WEIGHT_DECAY, WARMUP_EPOCHS = 0.9, 5e-4, 1
@@ -90,6 +86,8 @@ def build_data(args):
 
 
 def build_loaders(args, train_set, test_set):
+    # Horovod: workers start from a forkserver that loads Horovod too (its threads fork no safer).
+    data.workers_from_a_forkserver("horovod.torch")
     # Horovod: the sampler takes its rank and size; each rank trains a disjoint shard of one random
     # order per epoch, from (seed, epoch) alone. A resumed epoch starts after the steps done.
     order = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True,

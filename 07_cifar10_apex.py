@@ -81,8 +81,7 @@ def setup(args):
             print("no GPU found: running on the CPU")
     # Apex: chosen before joining, so an impossible stack exits everywhere.
     legacy = choose_stack(args, device, rank)
-    # DDP: join the process group (nccl for CUDA, xccl for XPU, gloo for the CPU); a peer that
-    # does not answer within --dist-timeout is an error, not a wait for ever.
+    # DDP: join the group (nccl, xccl or gloo); a peer silent for --dist-timeout is an error.
     backend = dist.get_default_backend_for_device(device)
     dist.init_process_group(backend, device_id=device if backend != "gloo" else None,
                             timeout=datetime.timedelta(seconds=args.dist_timeout))  # collective
@@ -127,6 +126,8 @@ def build_data(args):
 
 
 def build_loaders(args, train_set, test_set):
+    # DDP: workers start from a forkserver, as forking a process with gloo's threads is unsafe.
+    data.workers_from_a_forkserver()
     # DDP: each rank trains a disjoint shard of one random order of the whole set per epoch, from
     # (seed, epoch) alone. A resumed epoch starts after the steps already done.
     order = DistributedSampler(train_set, shuffle=True, seed=args.seed)

@@ -32,6 +32,8 @@ CONNECT_FAILED = "connectFullMesh failed"
 TIMED_OUT = ("Timed out waiting", "failed to pass monitoredBarrier")
 # Batch norm's refusal of a training batch of one sample.
 BATCH_OF_ONE = "Expected more than 1 value per channel when training"
+# A data set that a DataLoader worker from a forkserver (04-08) cannot receive.
+NOT_PICKLABLE = ("Can't pickle", "cannot pickle")
 
 
 def brief(text, width=200):
@@ -208,6 +210,11 @@ def _other_error(error, prefix):
         return _leave(f"{prefix}error: a training batch of one sample reached a layer that needs "
                       "more (batch norm): pass --drop-last to leave out each epoch's short last "
                       "step, or another --batch-size")
+    if any(needle in text for needle in NOT_PICKLABLE):
+        cause = brief(str(error), 120)
+        return _leave(f"{prefix}error: the DataLoader workers start from a forkserver, which gets "
+                      f"the data sets pickled, and this one does not pickle ({cause}): define its "
+                      "classes and functions at module level, or pass --workers 0")
     if type(error).__name__ == "JSONDecodeError":  # a file given to be read as JSON
         return _leave(f"{prefix}error: not valid JSON ({error}): check the JSON file you passed")
     if CONNECT_FAILED in text:

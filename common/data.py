@@ -6,12 +6,15 @@ of (seed, epoch, index): a sample gets the same crop in an epoch whatever the pr
 or workers, so a resumed or two-process run follows one uninterrupted process exactly."""
 import contextlib
 import itertools
+import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import typing
+from multiprocessing import resource_tracker
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +213,21 @@ class EpochSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.sampler) - self.skip - self.dropped
+
+
+def workers_from_a_forkserver(*preload):
+    """This process's DataLoader workers start from a forkserver (no threads; torch, common and
+    `preload` imported once), not as forks of it. A gloo thread takes Python's runtime lock to free
+    a tensor that Python let go of before the collective's work ended (all_gather_object's, seen
+    in gdb); a worker forked then stops before its first line (CPython 3.11) and its rank waits for
+    ever. Python 3.14 makes forkserver the default. The data sets reach the workers pickled."""
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["common", *preload])
+    # Its resource tracker, started now: starting one unblocks SIGTERM here, and the workers must
+    # inherit this thread's mask (preempt.py blocks SIGTERM and SIGUSR1 for them).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def eval_batches(size, rank, world, most=512):

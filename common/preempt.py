@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from multiprocessing import resource_tracker
 
 import psutil
 import torch
@@ -43,10 +42,6 @@ class Stop:
         # Threads started before now may take a signal: Python runs this handler for them.
         for sig in SIGNALS:
             signal.signal(sig, lambda signum, frame: self._note(signum))
-        # Under spawn or forkserver (step 06), the resource tracker unblocks SIGTERM when it starts:
-        # start it before the block below.
-        if multiprocessing.get_start_method(allow_none=True) not in (None, "fork"):
-            resource_tracker.ensure_running()
         # This thread blocks them (inherited by threads and processes it starts); one thread of ours
         # waits for them.
         signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)

@@ -8,7 +8,10 @@ now ends them with SIGKILL first, and a process still exiting common.cli.EXIT_WA
 thread or child that does not end) ends with one line and exit status 1. (Stopped by SIGTERM with
 workers: tests/test_preemption.py times that exit the same way.)
 """
+import os
+
 import pytest
+import torch
 
 from helpers import EXIT_GRACE, PYTHON, REPO, Output, as_typed, readme_command, start
 
@@ -108,3 +111,49 @@ def test_an_epoch_starts_and_ends_no_thread(monkeypatch):
             meter.batch_done()
             assert threading.enumerate() == before, (rank, threading.enumerate())
         meter.row(torch.tensor([2.0, 2.0], dtype=torch.float64))
+
+
+class ParentOfTheWorker(torch.utils.data.Dataset):
+    """Each sample: the process id of the worker's parent (a module-level class: it pickles)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return os.getppid()
+
+
+def test_loader_workers_of_04_to_08_are_not_forks_of_their_rank(capsys):
+    """The second hang (2026-11-29, the fresh clone's CI): a gloo thread of a rank frees a tensor
+    that Python let go of before the collective's work ended (all_gather_object's), taking Python's
+    runtime lock to do it; a DataLoader worker forked at that moment stopped for ever inside
+    os.fork (CPython 3.11's PyOS_AfterFork_Child waiting for that lock, seen with gdb), and its
+    rank waited for its first test batch. 04-08 start their workers from a forkserver: the workers'
+    parent is not the rank, and a data set that cannot travel there pickled stops in one line."""
+    import multiprocessing
+
+    from common import cli, data
+
+    for path in sorted(REPO.glob("0[4-8]_cifar10_*.py")):
+        source = path.read_text()
+        loaders = source[source.index("def build_loaders("):]
+        assert loaders.index("data.workers_from_a_forkserver(") < loaders.index("DataLoader("), (
+            path.name)
+    before = multiprocessing.get_start_method()
+    try:
+        data.workers_from_a_forkserver()
+        parents = {int(p) for batch in torch.utils.data.DataLoader(
+            ParentOfTheWorker(), batch_size=2, num_workers=2) for p in batch}
+        assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), parents)
+        local = torch.utils.data.TensorDataset(torch.zeros(4))
+        local.transform = lambda x: x
+        with pytest.raises(AttributeError) as error:
+            next(iter(torch.utils.data.DataLoader(local, num_workers=1)))
+        with pytest.raises(SystemExit) as exit:
+            cli.exits_cleanly(lambda: (_ for _ in ()).throw(error.value))()
+        line = capsys.readouterr().err
+        assert exit.value.code == 2 and line.count("\n") == 1 and "Traceback" not in line, line
+        assert ("workers start from a forkserver" in line and "Can't pickle local object" in line
+                and line.rstrip().endswith("or pass --workers 0")), line
+    finally:
+        multiprocessing.set_start_method(before, force=True)
