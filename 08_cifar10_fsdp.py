@@ -48,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--replicate", type=int, default=1, metavar="N",
                         help="HSDP: N replicas of processes/N shards (1: FSDP)")
     args = parser.parse_args(argv)
-    # plumbing: an N that does not divide the process count stops in one line.
+    # plumbing: an N that does not divide the processes stops in one line.
     if args.replicate < 1 or int(os.environ.get("WORLD_SIZE", 1)) % args.replicate:
         parser.error(f"--replicate {args.replicate} does not divide the number of processes")
     return args
@@ -127,13 +127,24 @@ def build_model(args, info):
     return ARCHS[args.arch](num_classes=info.num_classes, mean=info.mean, std=info.std)
 
 
-# FSDP: each child with weights, containers opened, is a unit (ResNet-18's blocks); adapt to yours.
-def units(module):
-    for child in module.children():
-        if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-            yield from units(child)
-        elif list(child.parameters()):
-            yield child
+# FSDP: each unit costs an all-gather, a reduce-scatter and host time per step however small, and
+# is whole only while it runs: so few units, each 1/UNITS of the weights (docs/08-fsdp.md).
+UNITS = 4
+
+
+# FSDP: runs of consecutive layers with weights of their own, batch norms apart.
+def units(model, norms):
+    size = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    runs = [[]]
+    for layer in model.modules():
+        if list(layer.parameters(recurse=False)) and layer not in norms:
+            if size(runs[-1]) * UNITS >= size([model]):
+                runs.append([])
+            runs[-1].append(layer)
+    if len(runs) > 1 and size(runs[-1]) * UNITS < size([model]):
+        last = runs.pop()
+        runs[-1] += last
+    return runs
 
 
 # FSDP: batch norm by its public classes (their common base is private).
@@ -149,20 +160,19 @@ def prepare_model(args, model, device, amp_dtype):
     # FSDP: all ranks take rank 0's weights and buffers; fully_shard shards each rank's own as is.
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, 0)  # collective
-    # FSDP: units gather weights and reduce-scatter gradients within a mesh row (a machine); rows
-    # all-reduce them (HSDP). One row is sliced to 1-D, or each unit would all-reduce over one rank.
+    # FSDP: units gather and reduce-scatter within a mesh row (a machine), rows all-reduce (HSDP);
+    # one row is sliced to 1-D, else each unit all-reduces over one rank.
     shape = (args.replicate, dist.get_world_size() // args.replicate)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))  # collective
     mesh = mesh if args.replicate > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-    # FSDP: batch norms are fp32 units (their kernels take fp32 weights); units() gives the rest.
+    # FSDP: batch norms are one fp32 unit (their kernels want fp32 weights with fp32 statistics).
     norms = [m for m in model.modules() if isinstance(m, BATCH_NORMS)]
-    for norm in norms:
-        fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=amp_dtype))
-    for unit in units(model):
-        if unit not in norms:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-    # FSDP: the root unit holds the remaining weights.
+    if norms:
+        fully_shard(norms, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=amp_dtype))
+    for unit in units(model, norms):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    # FSDP: the root unit holds any weights left.
     root_policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32,
                                        output_dtype=torch.float32)
     return fully_shard(model, mesh=mesh, mp_policy=root_policy)
@@ -173,7 +183,7 @@ def build_optimizer(args, model, steps_per_epoch, device, amp_dtype):
                                 weight_decay=WEIGHT_DECAY, nesterov=True)
     schedule = warmup_cosine(args.epochs, steps_per_epoch, WARMUP_EPOCHS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    # FSDP: with fp16, the scaler's step agrees across ranks whether any shard overflowed.
+    # FSDP: with fp16 the ranks agree whether any shard overflowed.
     scaler = ShardedGradScaler(device.type, enabled=amp_dtype == torch.float16)
     return optimizer, scheduler, scaler
 
@@ -193,7 +203,7 @@ def train_one_epoch(args, training, loader, stop, meter):
         inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
         last_pass = (step + 1) % args.grad_accum == 0 or step + 1 == len(loader)
-        # FSDP: gradients reduce-scatter on a group's last pass only; units gather as they run.
+        # FSDP: gradients reduce-scatter on a group's last pass only.
         model.set_requires_gradient_sync(last_pass)
         loss = F.cross_entropy(model(inputs), labels)  # collective
         scaler.scale(loss / args.grad_accum).backward()  # collective
@@ -224,7 +234,7 @@ def evaluate(args, model, loader, device, amp_dtype):
         # GPU: as in training.
         inputs = inputs.to(device, non_blocking=True, memory_format=data.layout(inputs, args))
         labels = labels.to(device, non_blocking=True)
-        # FSDP: the forward gathers as in training and returns fp32 logits.
+        # FSDP: the forward gathers as in training, returning fp32 logits.
         logits = model(inputs)  # collective
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
@@ -256,14 +266,14 @@ def save_checkpoint(args, training, row, info, saving):
 
 
 def resume(args, training):
-    # FSDP: rank 0 picks a DCP folder (auto takes the newest complete) or any step's .pt.
+    # FSDP: rank 0 picks a DCP folder (auto, the newest complete) or any step's .pt.
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, scheduler, scaler = training[:4]
     found = [checkpoint.find(args, own="dcp") if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # collective
     state, seen = found[0], [None] * world
     if state.get("folder"):
-        # FSDP: each rank must see the folder to read its shards, whatever mesh wrote them.
+        # FSDP: each rank must see the folder to read its shards, whichever mesh wrote them.
         here = os.path.isfile(os.path.join(state["folder"], ".metadata"))
         dist.all_gather_object(seen, here)  # collective
         checkpoint.check_seen(seen, state["folder"], "DCP")
@@ -281,7 +291,7 @@ def resume(args, training):
         set_optimizer_state_dict(model, optimizer, by_name, options=WHOLE)  # collective
     progress = checkpoint.resume(state, load_model, load_optimizer, scheduler, scaler,
                                  verbose=rank == 0)  # collective
-    # FSDP: the ranks compare epoch, step and whole weights; any difference stops all.
+    # FSDP: the ranks compare epoch, step and whole weights; a difference stops all.
     whole = get_model_state_dict(model, options=WHOLE)  # collective
     mine, positions = checkpoint.position(progress, whole), [None] * world
     dist.all_gather_object(positions, mine)  # collective
@@ -322,7 +332,7 @@ def main(argv=None):
         meter.start(part_done.get(epoch), sampler.set_epoch(epoch, part_done.get(epoch)))
         row = train_one_epoch(args, training, train_loader, stop, meter)  # collective
         row = {"epoch": epoch, **row}
-        # FSDP: buffers are never synced (DDP broadcasts them), so all take rank 0's statistics.
+        # FSDP: all take rank 0's batch-norm statistics (DDP broadcasts buffers, FSDP never).
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)  # collective
         # An epoch stopped part-way is saved, not evaluated.
@@ -341,7 +351,7 @@ def main(argv=None):
     if writing:
         writing.result()
     log.finish(get_model_state_dict(model, options=WHOLE))  # collective
-    # FSDP: free the model before leaving the group, as 04 does.
+    # FSDP: free the model before leaving the group.
     del model, training
     gc.collect()
     dist.destroy_process_group()

@@ -49,7 +49,7 @@ NOTE = ("SYNTHETIC DATA (scripts/synthetic.py, textures): test accuracy and loss
 Step = collections.namedtuple("Step", "number launcher multi_process library")
 # One row of the table: a step with its processes (None: --nproc) and its ZeRO stage (05; None:
 # ds_config.json's).
-Config = collections.namedtuple("Config", "arch step nproc zero")
+Config = collections.namedtuple("Config", "arch step nproc zero units", defaults=[None])
 MODELS = ["cnn", "resnet18"]  # the --arch choices of the numbered scripts that the benchmark runs
 STEPS = {s.number: s for s in [Step(1, "python", False, None), Step(2, "python", False, None),
                                Step(3, "python", False, None), Step(4, "torchrun", True, None),
@@ -84,22 +84,24 @@ def why_not_runnable(step):
         return f"launcher {launcher} not found in {BIN}"
 
 
-# 05z3: step 05 with --zero-stage 3; 08x4: 4 processes
-STEP_TOKEN = r"(\d+)(?:z([0-3]))?(?:x(\d+))?"
+# 05z3: step 05 with --zero-stage 3; 08x4: 4 processes; 08ublocks: 08 with other FSDP units
+# (scripts/fsdp_units.py)
+STEP_TOKEN = r"(\d+)(?:z([0-3]))?(?:x(\d+))?(?:u(blocks|stages|whole))?"
 
 
 def step_tokens(text):
-    """01,04,05z3,08x4 -> [(1, None, None), (4, None, None), (5, None, 3), (8, 4, None)] as
-    (step, nproc, zero)."""
+    """01,05z3,08x4ublocks -> [(1, None, None, None), (5, None, 3, None), (8, 4, None, "blocks")]
+    as (step, nproc, zero, units)."""
     tokens = text.split(",")
     parsed = [re.fullmatch(STEP_TOKEN, token) for token in tokens]
     if not all(parsed) or not {int(m[1]) for m in parsed} <= set(STEPS) or any(
-            (m[2] and int(m[1]) != 5)
+            (m[2] and int(m[1]) != 5) or (m[4] and int(m[1]) != 8)
             or (m[3] and (int(m[3]) < 1 or not STEPS[int(m[1])].multi_process)) for m in parsed):
         raise argparse.ArgumentTypeError(f"expected steps of {sorted(STEPS)} like 01,04,05z3,08x4 "
                                          "(zN: 05's ZeRO stage; xN: processes of a multi-process "
-                                         f"step), got {text!r}")
-    return list(dict.fromkeys((int(m[1]), m[3] and int(m[3]), m[2] and int(m[2]))
+                                         "step; ublocks, ustages or uwhole: 08's units), got "
+                                         f"{text!r}")
+    return list(dict.fromkeys((int(m[1]), m[3] and int(m[3]), m[2] and int(m[2]), m[4])
                               for m in parsed))
 
 
@@ -161,8 +163,8 @@ def parse_args(argv=None):
 
 def plan(args):
     """The runs in the order they start: every configuration once, then again (--repeats rounds)."""
-    configs = [Config(arch, n, nproc or args.nproc or 2, zero)
-               for arch, tokens in args.arch for n, nproc, zero in tokens]
+    configs = [Config(arch, n, nproc or args.nproc or 2, zero, units)
+               for arch, tokens in args.arch for n, nproc, zero, units in tokens]
     configs = [c if STEPS[c.step].multi_process else c._replace(nproc=1) for c in configs]
     # 08,08x2 or 05,05z2 (as shipped): one row each
     configs = list(dict.fromkeys(
@@ -276,7 +278,10 @@ def command_of(step, config, args, ctx, out_dir, notes):
     source += (REPO / "common" / "cli.py").read_text() if "shared_parser(" in source else ""
     flags = {flag for flag in ("--amp", "--channels-last", "--deepspeed_config", "--zero-stage")
              if f'"{flag}"' in source}
-    command = launchers.launch_command(step.launcher, config.nproc, script) + [
+    # 08 with other units: scripts/fsdp_units.py CHOICE, then 08's arguments
+    wrapper = [config.units] if config.units else []
+    command = launchers.launch_command(step.launcher, config.nproc, (
+        REPO / "scripts" / "fsdp_units.py" if config.units else script)) + wrapper + [
         "--data-dir", str(ctx["data"][config.arch]), "--out-dir", str(out_dir),
         "--arch", config.arch, "--epochs", str(ctx["epochs"][config.arch]),
         "--batch-size", str(args.batch_size // config.nproc),
@@ -297,7 +302,8 @@ def command_of(step, config, args, ctx, out_dir, notes):
 
 
 def label(config):
-    return f"{config.step:02d}" + (f" ZeRO-{config.zero}" if config.zero is not None else "")
+    return (f"{config.step:02d}" + (f" ZeRO-{config.zero}" if config.zero is not None else "")
+            + (f" units={config.units}" if config.units else ""))
 
 
 def run_step(step, config, args, ctx, repeat=0):

@@ -137,16 +137,19 @@ def test_arch_names_a_model_and_its_steps(tmp_path):
     parse = benchmark.parse_args
     assert benchmark.DEFAULT_ARCH.split() == ["cnn:01,04,05,06,07,08",
                                               "resnet18:01,04,05,05z1,05z3,08,08x4"]
-    assert parse([]).arch == [("cnn", [(n, None, None) for n in (1, 4, 5, 6, 7, 8)]),
-                              ("resnet18", [(1, None, None), (4, None, None), (5, None, None),
-                                            (5, None, 1), (5, None, 3), (8, None, None),
-                                            (8, 4, None)])]
+    assert parse([]).arch == [("cnn", [(n, None, None, None) for n in (1, 4, 5, 6, 7, 8)]),
+                              ("resnet18", [(1, None, None, None), (4, None, None, None),
+                                            (5, None, None, None), (5, None, 1, None),
+                                            (5, None, 3, None), (8, None, None, None),
+                                            (8, 4, None, None)])]
     assert parse(["--arch", "resnet18", "--steps", "01,02"]).arch == [
-        ("resnet18", [(1, None, None), (2, None, None)])]
-    assert parse(["--arch", "cnn:04", "--arch", "resnet18:1,5z0"]).arch == [
-        ("cnn", [(4, None, None)]), ("resnet18", [(1, None, None), (5, None, 0)])]
+        ("resnet18", [(1, None, None, None), (2, None, None, None)])]
+    assert parse(["--arch", "cnn:04", "--arch", "resnet18:1,5z0,08x4ublocks"]).arch == [
+        ("cnn", [(4, None, None, None)]),
+        ("resnet18", [(1, None, None, None), (5, None, 0, None), (8, 4, None, "blocks")])]
     for wrong in (["--arch", "vgg"], ["--arch", "cnn:99"], ["--steps", "1,x"], ["--steps", "04z1"],
-                  ["--steps", "01x2"], ["--steps", "05z4"], ["--steps", "08x0"]):
+                  ["--steps", "01x2"], ["--steps", "05z4"], ["--steps", "08x0"],
+                  ["--steps", "04ublocks"], ["--steps", "08urows"]):
         with pytest.raises(SystemExit):
             parse(wrong)
     # Three rounds of every configuration, in the same order each round; 01 always one process.
@@ -209,17 +212,23 @@ def test_the_summary_is_the_median_and_range_of_the_runs_and_busy_runs_write_no_
 
 def test_a_configuration_reaches_its_script_once_with_its_flags(tmp_path):
     benchmark = load_benchmark_module()
-    args = benchmark.parse_args(["--arch", "resnet18:05,05z2,05z3,08,08x2,08x4",
+    args = benchmark.parse_args(["--arch", "resnet18:05,05z2,05z3,08,08x2,08x4,08ustages",
                                  "--out-dir", str(tmp_path)])
     configs = [config for repeat, config in benchmark.plan(args) if repeat == 0]
-    assert [(c.step, c.nproc, c.zero) for c in configs] == [
-        (5, 2, None), (5, 2, 3), (8, 2, None), (8, 4, None)]
+    assert [(c.step, c.nproc, c.zero, c.units) for c in configs] == [
+        (5, 2, None, None), (5, 2, 3, None), (8, 2, None, None), (8, 4, None, None),
+        (8, 2, None, "stages")]
     ctx = {"data": {"resnet18": tmp_path}, "epochs": {"resnet18": 2}}
     command, _ = benchmark.command_of(benchmark.STEPS[5], configs[1], args, ctx, tmp_path, [])
     assert (command[command.index("--zero-stage") + 1] == "3"
             and command[command.index("--batch-size") + 1] == "64")
     command, _ = benchmark.command_of(benchmark.STEPS[8], configs[3], args, ctx, tmp_path, [])
     assert "--nproc_per_node=4" in command and command[command.index("--batch-size") + 1] == "32"
+    # 08 with other units: its wrapper, the choice, then 08's own arguments
+    command, stem = benchmark.command_of(benchmark.STEPS[8], configs[4], args, ctx, tmp_path, [])
+    wrapper = command.index(str(benchmark.REPO / "scripts" / "fsdp_units.py"))
+    assert command[wrapper + 1:wrapper + 3] == ["stages", "--data-dir"] and stem.startswith("08_")
+    assert benchmark.label(configs[4]) == "08 units=stages"
     assert "--zero-stage" not in benchmark.command_of(benchmark.STEPS[5], configs[0], args, ctx,
                                                       tmp_path, [])[0]
     for number, launcher in [(5, "deepspeed --num_gpus 2 "), (6, "horovodrun --gloo -np 2 "),

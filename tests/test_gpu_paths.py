@@ -235,6 +235,38 @@ def test_08_policy_computes_in_bf16_with_batch_norm_in_fp32_on_the_cpu(group_of_
     assert {p.device_mesh.ndim for p in model.parameters()} == {1}
 
 
+# scripts/fsdp_units.py's choices, measured on docs/08-fsdp.md: units (with the root) of ResNet-18.
+OTHER_UNITS = {"blocks": 31, "stages": 6, "whole": 3}
+
+
+@pytest.mark.parametrize("choice", OTHER_UNITS)
+def test_08_with_the_other_units_it_was_measured_against_trains_in_bf16(group_of_one, tmp_path,
+                                                                         choice):
+    """The choices docs/08-fsdp.md measures 08's against, as scripts/fsdp_units.py makes them:
+    blocks (08 until 2026-11-29: the stem, each residual block, the head and each batch norm a
+    unit), stages (the four residual stages, the batch norms one unit) and whole (one unit of all
+    the layers), each with the root; each computes in bf16, batch norm in fp32, and trains."""
+    import importlib.util
+
+    from helpers import REPO
+
+    loaded = []
+    for name, path in [("units", REPO / "scripts" / "fsdp_units.py"), ("step08", script(8))]:
+        spec = importlib.util.spec_from_file_location(name, path)
+        loaded.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(loaded[-1])
+    wrapper, step = loaded
+    wrapper.CHOICES[choice](step)
+    args = step.parse_args(["--data-dir", str(tmp_path), "--arch", "resnet18"])
+    model = step.prepare_model(args, step.build_model(args, INFO), torch.device("cpu"),
+                               torch.bfloat16)
+    states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
+    assert len(states) == OTHER_UNITS[choice], (choice, len(states))
+    assert model.get_submodule("bn1").weight.dtype == torch.float32
+    model(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)).float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 def test_08_fp16_policy_with_sharded_grad_scaler_skips_an_overflowing_step(group_of_one, tmp_path):
     """As 07's below, with FSDP's ShardedGradScaler; its scale travels in the DCP checkpoint, which
     is the newest complete one as soon as its background write ends."""
@@ -301,27 +333,33 @@ def test_07_torch_path_with_fp16_skips_an_overflowing_step_and_its_scale_travels
     assert training2.scaler.get_scale() == 2.0 ** 8
 
 
-def test_08_units_are_the_blocks_computing_in_bf16_reducing_in_fp32_resharded_after_forward(
+def test_08_units_are_runs_of_layers_computing_in_bf16_reducing_in_fp32_resharded_after_forward(
         group_of_one, tmp_path):
     """08's policy, read off the model it builds (ResNet-18 in bf16, as a GPU runs it): the units
-    are the stem, each residual block (nn.Sequential opened up), the classifier and each batch norm,
-    under the root; every unit of weights computes in bf16 and reduces its gradients in fp32; after
-    its forward each unit holds only its shards again (reshard_after_forward), so a GPU holds one
-    unit's whole weights at a time."""
-    from torch.distributed.fsdp import FSDPModule
+    are runs of consecutive layers of at least a quarter of the weights (the stem to layers.6.conv1
+    hold 35%, the rest 65%; a last run under a quarter would join the one before), the 20 batch
+    norms one fp32 unit, and the root; every unit of weights computes in bf16 and reduces its
+    gradients in fp32; after its forward each unit holds only its shards again
+    (reshard_after_forward), so a GPU holds one unit's whole weights at a time."""
     from torch.distributed.tensor import DTensor
 
     step = runpy.run_path(script(8), run_name="step08")
     args = step["parse_args"](["--data-dir", str(tmp_path), "--arch", "resnet18"])
     model = step["prepare_model"](args, step["build_model"](args, INFO), torch.device("cpu"),
                                   torch.bfloat16)
-    units = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    groups = {}  # modules that share an FSDP state are one unit (torch 2.13's FSDP2, private)
+    for name, module in model.named_modules():
+        if hasattr(module, "_get_fsdp_state"):
+            groups.setdefault(id(module._get_fsdp_state()), set()).add(name)
     norms = {name for name, module in model.named_modules()
              if isinstance(module, torch.nn.BatchNorm2d)}
-    blocks = {f"layers.{i}" for i in range(8)}
-    assert units == {"", "conv1", "linear", *blocks, *norms}, sorted(units)
-    for name in ["conv1", "linear", *blocks]:
-        # torch 2.13's FSDP2 state (private)
+    last = {"layers.6.conv2", "layers.6.shortcut.0", "layers.7.conv1", "layers.7.conv2", "linear"}
+    first = {name for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Conv2d)} - last
+    assert "layers.6.conv1" in first and len(first) == 16
+    assert sorted(groups.values(), key=sorted) == sorted([{""}, first, last, norms], key=sorted), (
+        groups)
+    for name in ["conv1", "linear", "layers.7.conv2"]:
         policy = model.get_submodule(name)._get_fsdp_state()._mp_policy
         assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), (
             name, policy)
