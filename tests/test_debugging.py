@@ -69,23 +69,23 @@ def test_a_slow_rank_is_named_in_the_epoch_line_and_shows_in_the_profile(tmp_pat
 def test_a_starved_input_pipeline_shows_as_data_and_more_workers_feed_it(tmp_path, small_data):
     """Every rank's data set takes 10 ms per image, read in the training process (--workers 0): most
     of each step waits for data, on both ranks, and nobody is named slowest. With 8 loader workers
-    the wait mostly goes (that epoch lasts about a second: too short to hold its ranks' timing to
-    20%)."""
+    the wait mostly goes: in the traced steps, and in the second epoch's data_s (the first epoch's
+    is mostly the 8 workers' start from the forkserver; an epoch lasts about a second, too short to
+    hold its ranks' timing to 20%)."""
     shown = {}
-    for workers in (0, 8):
+    for workers, epochs in ((0, 1), (8, 2)):
         output = run(injected("slow-data", 4, *small_data, *DDP_ARGS, "--batch-size", "16",
-                              "--epochs", "1", "--profile", "5", "--workers", str(workers),
+                              "--epochs", epochs, "--profile", "5", "--workers", str(workers),
                               "--out-dir", tmp_path / str(workers))).output
         shown[workers] = [shares(output, rank, 5)["data"] for rank in (0, 1)]
-        (row,) = metrics(tmp_path / str(workers))
+        row = metrics(tmp_path / str(workers))[-1]
         shown[workers] += row["ranks"]["data_s"] + [
             data / train for data, train in zip(row["ranks"]["data_s"], row["ranks"]["train_s"])]
         # starved alike (the fed epoch is too short to ask)
         assert workers or "slowest rank" not in output, output
     # profile shares (%), data_s / train_s
     assert min(shown[0][:2]) >= 30 and min(shown[0][4:]) >= 0.3, shown
-    # Fed: the traced steps barely wait; the epoch's data_s is mostly the workers' first
-    # batches (its epoch is short)
+    # Fed: the traced steps and the second epoch barely wait
     assert (max(shown[8][:2]) < min(shown[0][:2]) / 2
             and max(shown[8][2:4]) < min(shown[0][2:4]) / 2), shown
 
