@@ -134,7 +134,8 @@ UNITS = 4
 
 # FSDP: runs of consecutive layers with weights of their own, batch norms apart.
 def units(model, norms):
-    size = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    def size(modules):
+        return sum(p.numel() for module in modules for p in module.parameters())
     runs = [[]]
     for layer in model.modules():
         if list(layer.parameters(recurse=False)) and layer not in norms:
